@@ -1,0 +1,64 @@
+"""Tiny random checkpoints (GPT-2 and Llama shaped, tokenizer included) for tests that need other shapes.
+
+Built locally from a config in a second or two; no model hub. They reuse the toy model's tokenizer.
+Head sizes are 32: vLLM's CPU attention refuses some head sizes (24 fails at engine start).
+
+Example:
+    >>> from nnvllm.testing import tiny_checkpoint
+    >>> path = tiny_checkpoint("llama", "/tmp/tiny-llama")     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+__all__ = ["tiny_checkpoint", "KINDS"]
+
+KINDS = ("gpt2", "llama")
+
+
+def tiny_checkpoint(kind: str, out_dir: str | os.PathLike, *, n_layers: int = 3, seed: int = 0) -> str:
+    """Write a random ``kind`` ("gpt2" or "llama") checkpoint with a tokenizer to ``out_dir``.
+
+    The Llama one uses grouped-query attention (2 query heads, 1 KV head) and an untied LM head, so
+    tests see vLLM's ``(hidden, residual)`` block outputs and a separate unembedding.
+    """
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from . import toy
+
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}; expected one of {KINDS}")
+    out = Path(out_dir)
+    if (out / "config.json").is_file():
+        return str(out)
+    tok = AutoTokenizer.from_pretrained(toy.check())
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        cfg = GPT2Config(
+            vocab_size=len(tok), n_positions=128, n_embd=64, n_layer=n_layers, n_head=2,
+            bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+        )
+        model = GPT2LMHeadModel(cfg)
+    else:
+        cfg = LlamaConfig(
+            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+            tie_word_embeddings=False, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+            rms_norm_eps=1e-5,
+        )
+        model = LlamaForCausalLM(cfg)
+        # Random init gives near-zero norms' effect; scale weights up so layers differ visibly.
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.mul_(5.0)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return str(out)

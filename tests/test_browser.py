@@ -1,0 +1,97 @@
+"""The real-browser smoke test: a notebook's widget, run in JupyterLab, redraws when used.
+
+Everything else about widgets is tested through their state; this checks the part only a browser
+shows: the lab extension renders the widget, a key press on the slider reaches the kernel, and the
+plot in the Output widget is redrawn. Needs /usr/bin/chromium and playwright
+(``scripts/install_browser.sh``); skips without them.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import browser  # noqa: E402  (tests/browser.py, the harness)
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "build" / "test-artifacts"
+LENS_NOTEBOOK = "notebooks/01_logit_lens.ipynb"
+
+
+@pytest.fixture
+def needs_browser():
+    why = browser.missing_requirements()
+    if why:
+        print(f"skipping browser test: {why}")
+        pytest.skip(why)
+
+
+def _drive(root: Path, notebook: str, shot: Path) -> dict:
+    """Open ``notebook``, Run All, press ArrowRight on the layer slider; return what was seen."""
+    t0 = time.monotonic()
+    with browser.jupyterlab(root) as lab, browser.chromium() as ctx:
+        page = browser.open_notebook(ctx, lab, notebook)
+        run_s = browser.run_all(page)
+        assert browser.widget(page, "nnvllm-lens").is_visible(), "explorer (.nnvllm-lens) not rendered"
+        before_value = browser.slider_readout(page, "nnvllm-layer")
+        before = browser.img_src(page, "nnvllm-plot")
+        assert before.startswith("data:image/"), f"no plot image in .nnvllm-plot: {before[:80]!r}"
+        browser.press_slider(page, "nnvllm-layer", "ArrowRight")
+        after = browser.wait_img_src_change(page, "nnvllm-plot", before)
+        after_value = browser.slider_readout(page, "nnvllm-layer")
+        browser.screenshot(page, shot, css_class="nnvllm-lens")
+    seen = dict(run_s=run_s, total_s=time.monotonic() - t0, before_value=before_value,
+                after_value=after_value, changed=after != before)
+    print(f"{notebook}: {seen}")
+    return seen
+
+
+@pytest.mark.browser
+def test_lens_notebook_in_browser(needs_browser):
+    assert (REPO / LENS_NOTEBOOK).exists(), f"{LENS_NOTEBOOK} is missing"
+    seen = _drive(REPO, LENS_NOTEBOOK, ARTIFACTS / "lens_notebook.png")
+    assert seen["changed"], "plot did not redraw after ArrowRight on the layer slider"
+    assert seen["after_value"] != seen["before_value"]
+
+
+HARNESS_CELLS = [
+    "%matplotlib inline\nimport ipywidgets as W\nimport matplotlib.pyplot as plt",
+    """\
+slider = W.IntSlider(value=0, min=0, max=5, description="layer", continuous_update=False)
+slider.add_class("nnvllm-layer")
+out = W.Output()
+out.add_class("nnvllm-plot")
+
+def draw(layer):
+    out.clear_output(wait=True)
+    with out:
+        fig, ax = plt.subplots(figsize=(4, 3))
+        ax.plot(range(10), [layer * i for i in range(10)])
+        ax.set_title(f"layer {layer}")
+        plt.show()
+
+slider.observe(lambda change: draw(change["new"]), names="value")
+draw(slider.value)
+box = W.VBox([slider, out])
+box.add_class("nnvllm-lens")
+box""",
+]
+
+
+@pytest.mark.browser
+def test_harness_on_widget_notebook(needs_browser, tmp_path):
+    """Self-test of tests/browser.py on a tiny notebook with the same widget classes."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
+                                 "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in HARNESS_CELLS]
+    nbformat.write(nb, tmp_path / "harness.ipynb")
+    seen = _drive(tmp_path, "harness.ipynb", ARTIFACTS / "harness_notebook.png")
+    assert seen["changed"], "plot did not redraw after ArrowRight on the slider"
+    assert (seen["before_value"], seen["after_value"]) == ("0", "1")
