@@ -3,6 +3,9 @@
 The public verbs, one hop from here:
 
 - :func:`load` (``engine.py``) — a vLLM engine through nnsight, on GPU or CPU.
+- :func:`generate` (``capture.py``) — one generation: logits, samples, every layer's activations.
+- :func:`reference` (``reference.py``) — the same capture on plain transformers (ground truth).
+- :class:`Run`, :class:`Samples` (``results.py``) — what those return.
 - :mod:`toy` (``toy.py``) — the embedded toy model, the default everywhere.
 - :mod:`testing` (``testing.py``) — tiny random GPT-2/Llama checkpoints for tests.
 
@@ -10,7 +13,10 @@ Importing nnvllm imports neither vLLM nor nnsight and changes no global state.
 """
 
 from . import toy
+from .capture import generate
 from .engine import load
+from .reference import reference
+from .results import Run, Samples
 
 __version__ = "0.1.0"
-__all__ = ["load", "toy", "__version__"]
+__all__ = ["load", "generate", "reference", "Run", "Samples", "toy", "__version__"]

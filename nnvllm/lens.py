@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Norm", "Unembed", "apply_norm", "project", "lens_topk", "lens_prob_of", "Lens"]
+__all__ = ["Lens", "Norm", "Unembed", "apply_norm", "lens_prob_of", "lens_topk", "project"]
 
 _NORM_KINDS = ("layernorm", "rmsnorm")
 
@@ -205,9 +205,7 @@ def lens_topk(resid: Tensor, unembed: Unembed, k: int = 5, chunk: int = 64) -> t
     return torch.cat(ids, dim=1), torch.cat(probs, dim=1)
 
 
-def lens_prob_of(
-    resid: Tensor, unembed: Unembed, token_ids: int | list[int], chunk: int = 64
-) -> Tensor:
+def lens_prob_of(resid: Tensor, unembed: Unembed, token_ids: int | list[int], chunk: int = 64) -> Tensor:
     """Return the logit-lens probability of given token(s) at each (layer, pos).
 
     Args:
@@ -296,7 +294,7 @@ class Lens:
     @classmethod
     def from_run(
         cls, run, i: int, unembed: Unembed, *, k: int = 5, tokenizer: Any = None, chunk: int = 64
-    ) -> "Lens":
+    ) -> Lens:
         """Build the lens of request ``i`` of a :class:`~nnvllm.results.Run` captured with resid.
 
         Args:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["logit_diff", "normalized_effect", "PatchResult", "plan"]
+__all__ = ["PatchResult", "logit_diff", "normalized_effect", "plan"]
 
 
 def logit_diff(logits: Tensor, answer: int, wrong: int) -> Tensor:

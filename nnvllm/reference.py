@@ -1,0 +1,160 @@
+"""The same capture on plain transformers: the ground truth every vLLM number is checked against.
+
+``reference(path, prompts, ...)`` returns a :class:`~nnvllm.results.Run` shaped exactly like
+:func:`nnvllm.generate`'s, computed by an HF model with forward hooks on the same module paths
+(:mod:`nnvllm.arch`). Given ``tokens=run.tokens`` it replays another run's generated tokens
+(teacher forcing), so activations and logits can be compared position by position even where
+sampling would have drawn differently.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import torch
+
+from .arch import SITES, arch_for
+from .capture import _layers, _prompts
+from .results import Run
+from .sampling import sample_stats, sampling_probs
+
+__all__ = ["reference", "load_reference"]
+
+
+@functools.lru_cache(maxsize=2)
+def load_reference(path: str, dtype: str = "float32"):
+    """Return ``(hf_model, tokenizer)`` for ``path`` in eval mode (cached: the last two are kept)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def _forward_capture(model, arch, ids: list[int], layer_ids: list[int], wanted: Sequence[str]):
+    """One forward over ``ids`` with hooks; returns (logits [pos, vocab], {site: [layer, pos, width]})."""
+    blocks = model.get_submodule(arch.blocks)
+    got: dict[tuple[str, int], torch.Tensor] = {}
+    handles = []
+
+    def put(key, x):
+        got[key] = x[0].detach().float().clone()
+
+    for j, layer in enumerate(layer_ids):
+        b = blocks[layer]
+        for s in wanted:
+            if s == "resid":
+                handles.append(b.register_forward_hook(
+                    lambda m, a, o, j=j: put(("resid", j), o[0] if isinstance(o, tuple) else o)))
+            elif s == "attn":
+                attn = b.get_submodule(arch.site("attn")[0])
+                handles.append(attn.register_forward_hook(
+                    lambda m, a, o, j=j: put(("attn", j), o[0] if isinstance(o, tuple) else o)))
+            elif s == "mlp":
+                handles.append(b.get_submodule(arch.site("mlp")[0]).register_forward_hook(
+                    lambda m, a, o, j=j: put(("mlp", j), o)))
+            elif s == "mlp_act":
+                down = b.mlp.c_proj if arch.family == "gpt2" else b.mlp.down_proj
+                handles.append(down.register_forward_pre_hook(lambda m, a, j=j: put(("mlp_act", j), a[0])))
+            elif s == "mlp_in":
+                if arch.family == "gpt2":
+                    handles.append(b.mlp.c_fc.register_forward_hook(lambda m, a, o, j=j: put(("mlp_in", j), o)))
+                else:  # vLLM merges gate and up: [gate | up]
+                    handles.append(b.mlp.gate_proj.register_forward_hook(
+                        lambda m, a, o, j=j: put(("gate", j), o)))
+                    handles.append(b.mlp.up_proj.register_forward_hook(
+                        lambda m, a, o, j=j: put(("up", j), o)))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float()
+    finally:
+        for h in handles:
+            h.remove()
+    acts = {}
+    for s in wanted:
+        if s == "mlp_in" and arch.family != "gpt2":
+            acts[s] = torch.stack([torch.cat([got[("gate", j)], got[("up", j)]], -1) for j in range(len(layer_ids))])
+        else:
+            acts[s] = torch.stack([got[(s, j)] for j in range(len(layer_ids))])
+    return logits, acts
+
+
+def reference(
+    path: str,
+    prompts: str | list[str],
+    max_tokens: int = 10,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    layers="all",
+    logits: bool = True,
+    top_k: int = 5,
+    sites: Sequence[str] = (),
+    ignore_eos: bool = False,
+    tokens: list[list[int]] | None = None,
+    dtype: str = "float32",
+) -> Run:
+    """Generate with plain transformers and capture what :func:`nnvllm.generate` captures.
+
+    Args:
+        path: checkpoint directory (or hub id) — the one given to :func:`nnvllm.load`.
+        tokens: replay these generated ids per prompt instead of generating (teacher forcing),
+            e.g. ``tokens=run.tokens`` to compare with a vLLM run position by position.
+        dtype: "float32" (default), "bfloat16" or "float16".
+        Other arguments: as :func:`nnvllm.generate`. Sampling (temperature > 0) uses torch's RNG
+            seeded with ``seed``, so its draws differ from vLLM's; pass ``tokens`` to compare.
+
+    Example:
+        >>> ref = nv.reference(nv.toy.path(), "The capital of France is", max_tokens=3)  # doctest: +SKIP
+    """
+    import json
+    from pathlib import Path
+
+    prompts = _prompts(prompts)
+    if tokens is not None and len(tokens) != len(prompts):
+        raise ValueError(f"tokens has {len(tokens)} entries for {len(prompts)} prompts; give one list per prompt")
+    bad = [s for s in sites if s not in SITES or s == "resid"]
+    if bad:
+        raise ValueError(f"sites={list(sites)!r}: unknown {bad}; choose from {list(SITES[1:])}")
+    model, tok = load_reference(str(path), dtype)
+    cfg = json.loads((Path(path) / "config.json").read_text()) if Path(path).is_dir() else model.config.to_dict()
+    arch = arch_for(cfg.get("architectures"), where=repr(path))
+    layer_ids = _layers(layers, len(model.get_submodule(arch.blocks)))
+    wanted = (("resid",) if layer_ids else ()) + tuple(dict.fromkeys(sites))
+    gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+    eos = tok.eos_token_id
+
+    run = Run(prompts=prompts, prompt_ids=[], tokens=[], text=[], logits=[] if logits else None, samples=[],
+              resid=[] if layer_ids else None, layers=layer_ids, sites={s: [] for s in wanted if s != "resid"},
+              sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                            top_k=top_k, ignore_eos=ignore_eos),
+              meta=dict(engine="transformers", model=str(path), dtype=dtype, tp=1))
+    for i, prompt in enumerate(prompts):
+        p_ids = tok.encode(prompt)
+        if tokens is not None:
+            toks = list(tokens[i])
+        else:
+            toks = []
+            for _ in range(max_tokens):
+                with torch.no_grad():
+                    last = model(torch.tensor([p_ids + toks])).logits[0, -1].float()
+                if temperature == 0:
+                    nxt = int(last.argmax())
+                else:
+                    probs = sampling_probs(last[None], temperature, top_p)[0]
+                    nxt = int(torch.multinomial(probs, 1, generator=gen))
+                toks.append(nxt)
+                if nxt == eos and not ignore_eos:
+                    break
+        seq = p_ids + toks[:-1]
+        lg, acts = _forward_capture(model, arch, seq, layer_ids, wanted)
+        step_logits = lg[len(p_ids) - 1:]
+        run.prompt_ids.append(p_ids)
+        run.tokens.append(toks)
+        run.text.append(tok.decode(toks, skip_special_tokens=True))
+        run.samples.append(sample_stats(step_logits, toks, temperature=temperature, top_p=top_p, k=top_k))
+        if logits:
+            run.logits.append(step_logits)
+        for s, t in acts.items():
+            (run.resid if s == "resid" else run.sites[s]).append(t)
+    return run

@@ -1,0 +1,491 @@
+"""Unit tests of the pure analysis modules (lens, patching, compare, plotting) on synthetic tensors.
+
+No engine, no checkpoint: every expected value is computed here by brute force.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import pytest
+import torch
+from torch import Tensor
+
+from nnvllm.compare import Discrepancy, compare
+from nnvllm.lens import Lens, Norm, Unembed, apply_norm, lens_prob_of, lens_topk, project
+from nnvllm.patching import PatchResult, logit_diff, normalized_effect, plan
+from nnvllm.plotting import plot_compare, plot_lens, plot_patch, plot_samples
+from nnvllm.results import Run, Samples
+
+D_MODEL, D_VOCAB = 8, 13
+
+
+# --- fixtures ----------------------------------------------------------------------------------
+
+
+class CharTokenizer:
+    """Tokenizer stand-in: id t <-> the letter chr(ord('a') + t); a string is one token per char."""
+
+    def encode(self, s, add_special_tokens=True):
+        return [ord(c) - ord("a") for c in s]
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + int(t)) for t in ids)
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def make_unembed(kind="layernorm", bias=False, seed=0, dtype=torch.float32) -> Unembed:
+    g = torch.Generator().manual_seed(seed)
+    w = 1 + 0.1 * torch.randn(D_MODEL, generator=g)
+    b = 0.1 * torch.randn(D_MODEL, generator=g) if kind == "layernorm" else None
+    W = torch.randn(D_VOCAB, D_MODEL, generator=g)
+    ub = torch.randn(D_VOCAB, generator=g) if bias else None
+    cast = lambda t: None if t is None else t.to(dtype)
+    return Unembed(Norm(kind, cast(w), cast(b), 1e-5), cast(W), cast(ub))
+
+
+def make_run(n_req=2, prompt_len=4, steps=3, layers=(0, 1, 2), seed=0, sites=("attn",), logits=True) -> Run:
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = [[(3 * i + p) % D_VOCAB for p in range(prompt_len)] for i in range(n_req)]
+    tokens = [[(5 + i + t) % D_VOCAB for t in range(steps)] for i in range(n_req)]
+    n_pos = prompt_len + steps - 1
+    samples = []
+    for i in range(n_req):
+        top_probs, top_ids = torch.rand(steps, D_VOCAB, generator=g).softmax(-1).topk(3, dim=-1)
+        samples.append(Samples(torch.tensor(tokens[i]), top_probs[:, 1].clone(), top_ids, top_probs))
+    return Run(
+        prompts=[f"prompt {i}" for i in range(n_req)],
+        prompt_ids=prompt_ids,
+        tokens=tokens,
+        text=["".join(chr(97 + t) for t in tok) for tok in tokens],
+        logits=[torch.randn(steps, D_VOCAB, generator=g) for _ in range(n_req)] if logits else None,
+        samples=samples,
+        resid=[torch.randn(len(layers), n_pos, D_MODEL, generator=g) for _ in range(n_req)],
+        layers=list(layers),
+        sites={s: [torch.randn(len(layers), n_pos, 6, generator=g) for _ in range(n_req)] for s in sites},
+        sampling={"temperature": 0.0},
+        meta={"engine": "synthetic"},
+    )
+
+
+def brute_probs(resid: Tensor, u: Unembed) -> Tensor:
+    x = resid.double()
+    n = u.norm
+    if n.kind == "layernorm":
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        h = (x - mu) / torch.sqrt(var + n.eps) * n.weight.double() + n.bias.double()
+    else:
+        h = x / torch.sqrt((x**2).mean(-1, keepdim=True) + n.eps) * n.weight.double()
+    logits = h @ u.weight.double().T
+    if u.bias is not None:
+        logits = logits + u.bias.double()
+    return logits.softmax(-1)
+
+
+# --- lens --------------------------------------------------------------------------------------
+
+
+def test_apply_norm_layernorm_matches_torch():
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(D_MODEL, eps=1e-5)
+    with torch.no_grad():
+        ln.weight.normal_()
+        ln.bias.normal_()
+    x = torch.randn(3, 5, D_MODEL)
+    got = apply_norm(x, Norm("layernorm", ln.weight.detach(), ln.bias.detach(), 1e-5))
+    torch.testing.assert_close(got, ln(x).detach())
+
+
+def test_apply_norm_rmsnorm_matches_hand_formula_in_float32():
+    torch.manual_seed(1)
+    w = torch.randn(D_MODEL)
+    x = torch.randn(4, D_MODEL).to(torch.bfloat16)
+    got = apply_norm(x, Norm("rmsnorm", w.to(torch.bfloat16), None, 1e-6))
+    assert got.dtype == torch.float32
+    xf = x.float()
+    want = xf / torch.sqrt((xf**2).mean(-1, keepdim=True) + 1e-6) * w.to(torch.bfloat16).float()
+    torch.testing.assert_close(got, want)
+
+
+def test_norm_and_unembed_validate():
+    with pytest.raises(ValueError, match="not one of"):
+        Norm("batchnorm", torch.ones(4))
+    with pytest.raises(ValueError, match="takes no bias"):
+        Norm("rmsnorm", torch.ones(4), torch.zeros(4))
+    with pytest.raises(ValueError, match="transpose"):
+        Unembed(Norm("rmsnorm", torch.ones(4)), torch.randn(4, 10))
+    with pytest.raises(ValueError, match="d_model=8"):
+        apply_norm(torch.randn(2, 5), Norm("rmsnorm", torch.ones(8)))
+
+
+@pytest.mark.parametrize("kind,bias", [("layernorm", False), ("rmsnorm", True)])
+def test_project_matches_brute_force(kind, bias):
+    u = make_unembed(kind, bias)
+    x = torch.randn(2, 3, D_MODEL)
+    logits = project(x, u)
+    assert logits.shape == (2, 3, D_VOCAB) and logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double().softmax(-1), brute_probs(x, u), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_lens_topk_matches_full_softmax_topk(kind):
+    u = make_unembed(kind)
+    resid = torch.randn(3, 7, D_MODEL)
+    ids, probs = lens_topk(resid, u, k=4, chunk=3)
+    want_probs, want_ids = brute_probs(resid, u).topk(4, dim=-1)
+    assert ids.shape == probs.shape == (3, 7, 4)
+    assert ids.dtype == torch.long and probs.dtype == torch.float32
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(probs.double(), want_probs, atol=1e-5, rtol=1e-4)
+    ids_1, probs_1 = lens_topk(resid, u, k=4, chunk=10**9)
+    assert torch.equal(ids, ids_1)
+    torch.testing.assert_close(probs, probs_1)
+
+
+def test_lens_topk_chunks_positions(monkeypatch):
+    import nnvllm.lens as lens_mod
+
+    seen = []
+    real = lens_mod._project
+    monkeypatch.setattr(lens_mod, "_project", lambda r, u: seen.append(r.shape[1]) or real(r, u))
+    lens_topk(torch.randn(2, 10, D_MODEL), make_unembed(), k=2, chunk=4)
+    assert seen == [4, 4, 2]
+    seen.clear()
+    lens_prob_of(torch.randn(2, 10, D_MODEL), make_unembed(), [1, 2], chunk=3)
+    assert seen == [3, 3, 3, 1]
+
+
+def test_lens_topk_validates():
+    u = make_unembed()
+    with pytest.raises(ValueError, match="larger than the vocabulary"):
+        lens_topk(torch.randn(1, 2, D_MODEL), u, k=D_VOCAB + 1)
+    with pytest.raises(ValueError, match=r"\[layer, pos, d_model\]"):
+        lens_topk(torch.randn(2, D_MODEL), u)
+    with pytest.raises(ValueError, match="positive int"):
+        lens_topk(torch.randn(1, 2, D_MODEL), u, chunk=0)
+
+
+def test_lens_prob_of_matches_brute_force():
+    u = make_unembed("rmsnorm", bias=True)
+    resid = torch.randn(2, 5, D_MODEL)
+    full = brute_probs(resid, u)
+    one = lens_prob_of(resid, u, 3, chunk=2)
+    assert one.shape == (2, 5)
+    torch.testing.assert_close(one.double(), full[..., 3], atol=1e-6, rtol=1e-4)
+    many = lens_prob_of(resid, u, [3, 0, 12], chunk=2)
+    assert many.shape == (2, 5, 3)
+    torch.testing.assert_close(many.double(), full[..., [3, 0, 12]], atol=1e-6, rtol=1e-4)
+    with pytest.raises(ValueError, match="not a token id"):
+        lens_prob_of(resid, u, D_VOCAB)
+
+
+def test_lens_from_run_and_methods():
+    run, u, tok = make_run(), make_unembed(), CharTokenizer()
+    lens = Lens.from_run(run, 1, u, k=3, tokenizer=tok)
+    n_pos = run.positions(1)
+    assert lens.top_ids.shape == (3, n_pos, 3)
+    assert lens.layers == [0, 1, 2] and lens.prompt_len == 4 and lens.generated == run.tokens[1]
+    assert lens.labels == [tok.decode([t]) for t in run.sequence(1)]
+    ids, _ = lens_topk(run.resid[1], u, k=3)
+    assert torch.equal(lens.top_ids, ids)
+    assert lens.top_tokens(-1) == [tok.decode([int(t)]) for t in ids[2, :, 0]]
+    torch.testing.assert_close(lens.prob_of("d"), lens_prob_of(run.resid[1], u, 3))
+    torch.testing.assert_close(lens.prob_of(3), lens.prob_of("d"))
+    with pytest.raises(ValueError, match=r"2 tokens \['a', 'b'\]"):
+        lens.prob_of("ab")
+    with pytest.raises(ValueError, match="out of range"):
+        lens.top_tokens(3)
+    assert "Lens(" in repr(lens)
+
+    plain = Lens.from_run(run, 0, u, k=2)
+    assert plain.labels == [str(t) for t in run.sequence(0)]
+    assert plain.top_tokens(0) == [str(int(t)) for t in plain.top_ids[0, :, 0]]
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        plain.prob_of("d")
+
+
+def test_lens_to_frame():
+    run, u = make_run(), make_unembed()
+    lens = Lens.from_run(run, 0, u, k=2, tokenizer=CharTokenizer())
+    df = lens.to_frame()
+    n_pos = run.positions(0)
+    assert list(df.columns) == ["layer", "pos", "label", "rank", "token_id", "token", "prob"]
+    assert len(df) == 3 * n_pos * 2
+    row = df[(df.layer == 2) & (df.pos == 5) & (df["rank"] == 1)].iloc[0]
+    assert row.token_id == int(lens.top_ids[2, 5, 1])
+    assert row.prob == pytest.approx(float(lens.top_probs[2, 5, 1]))
+    assert row.label == lens.labels[5]
+
+
+# --- patching ----------------------------------------------------------------------------------
+
+
+def test_logit_diff_and_normalized_effect():
+    logits = torch.randn(4, 3, D_VOCAB)
+    torch.testing.assert_close(logit_diff(logits, 2, 7), logits[..., 2] - logits[..., 7])
+    with pytest.raises(ValueError, match="not a token id"):
+        logit_diff(logits, D_VOCAB, 0)
+    clean, corrupt = 3.0, -1.0
+    patched = torch.tensor([[3.0, -1.0], [1.0, 5.0]])
+    eff = normalized_effect(patched, clean, corrupt)
+    torch.testing.assert_close(eff, torch.tensor([[1.0, 0.0], [0.5, 1.5]]))
+    assert float(normalized_effect(clean, clean, corrupt)) == 1.0
+    assert float(normalized_effect(corrupt, clean, corrupt)) == 0.0
+    with pytest.raises(ValueError, match="same logit difference.*choose prompts/answers that differ"):
+        normalized_effect(patched, 2.0, 2.0 + 1e-8)
+
+
+def test_plan():
+    assert plan(12, 5) == (list(range(12)), list(range(5)))
+    assert plan(12, 5, layers=-1, positions=[0, -1]) == ([11], [0, 4])
+    assert plan(12, 5, layers=[-1, 11, 3]) == ([11, 3], list(range(5)))
+    with pytest.raises(ValueError, match=r"layer=40 out of range for a 12-layer model \(0-11\)"):
+        plan(12, 5, layers=40)
+    with pytest.raises(ValueError, match=r"pos=-6 out of range for a 5-token prompt \(0-4\)"):
+        plan(12, 5, positions=[0, -6])
+    with pytest.raises(ValueError, match="'all', an int"):
+        plan(12, 5, layers="some")
+    with pytest.raises(TypeError, match="must hold ints"):
+        plan(12, 5, layers=[1.0])
+    with pytest.raises(ValueError, match="selects nothing"):
+        plan(12, 5, positions=[])
+
+
+def make_patch() -> PatchResult:
+    layers, positions = [0, 2, 4], [1, 3]
+    diff = torch.tensor([[0.0, 1.0], [2.0, -0.5], [0.5, 1.5]])
+    return PatchResult(
+        effect=normalized_effect(diff, 2.0, 0.0),
+        patched_diff=diff,
+        clean_diff=2.0,
+        corrupt_diff=0.0,
+        layers=layers,
+        positions=positions,
+        labels=["b", "d"],
+        site="resid",
+        answer=" Paris",
+        wrong=" Rome",
+    )
+
+
+def test_patch_result():
+    res = make_patch()
+    assert res.best() == (2, 1, 1.0)
+    df = res.to_frame()
+    assert list(df.columns) == ["layer", "pos", "label", "effect", "logit_diff"]
+    assert df.iloc[3].tolist() == [2, 3, "d", -0.25, -0.5]
+    assert "best=(layer 2, pos 1" in repr(res)
+    with pytest.raises(ValueError, match=r"\[layer, pos\] = \(3, 2\)"):
+        PatchResult(
+            torch.zeros(2, 2), torch.zeros(3, 2), 1.0, 0.0, [0, 1, 2], [0, 1], ["a", "b"], "resid", "x", "y"
+        )
+
+
+# --- compare -----------------------------------------------------------------------------------
+
+
+def test_compare_with_itself_is_exact():
+    run = make_run()
+    d = compare(run, copy.deepcopy(run), names=("vllm", "hf"))
+    assert isinstance(d, Discrepancy)
+    assert d.fork == [None, None] and d.token_agreement == 1.0
+    assert list(d.resid.columns) == ["request", "layer", "pos", "max_abs", "rel_err", "cosine", "site"]
+    assert set(d.resid.site) == {"resid", "attn"}
+    n_rows = sum(3 * run.positions(i) for i in range(len(run)))
+    assert (d.resid.site == "resid").sum() == n_rows
+    assert (d.resid.max_abs == 0).all() and (d.resid.rel_err == 0).all()
+    assert d.resid.cosine.to_numpy() == pytest.approx(1.0, abs=1e-12)
+    assert list(d.logits.columns) == ["request", "step", "kl", "top1_agree", "max_abs"]
+    assert len(d.logits) == 2 * 3
+    assert d.logits.kl.to_numpy() == pytest.approx(0.0, abs=1e-12)
+    assert d.logits.top1_agree.all() and (d.logits.max_abs == 0).all()
+    s = d.summary()
+    assert s["max_abs"] == 0 and s["max_kl"] == pytest.approx(0, abs=1e-12)
+    assert s["top1_agreement"] == 1.0 and s["forks"] == [None, None] and s["names"] == ("vllm", "hf")
+    assert d.per_layer().index.tolist() == [0, 1, 2]
+
+
+def test_compare_finds_perturbation():
+    a = make_run()
+    b = copy.deepcopy(a)
+    b.resid[1][2, 4, 5] += 0.25  # request 1, layer axis 2 (block 2), pos 4
+    b.logits[0][1, 7] -= 2.0
+    d = compare(a, b)
+    r = d.resid[d.resid.site == "resid"]
+    hit = r[r.max_abs > 0]
+    assert len(hit) == 1
+    assert hit.iloc[0][["request", "layer", "pos"]].tolist() == [1, 2, 4]
+    assert hit.iloc[0].max_abs == pytest.approx(0.25)
+    x = a.resid[1][2, 4].double()
+    y = b.resid[1][2, 4].double()
+    assert hit.iloc[0].rel_err == pytest.approx(0.25 / float(x.norm()))
+    assert hit.iloc[0].cosine == pytest.approx(float(x @ y / (x.norm() * y.norm())))
+    assert d.per_layer("max_abs").tolist() == pytest.approx([0, 0, 0.25])
+    assert d.per_layer("cosine")[2] < 1
+    assert (d.resid[d.resid.site == "attn"].max_abs == 0).all()
+    lg = d.logits.set_index(["request", "step"])
+    assert lg.loc[(0, 1), "max_abs"] == pytest.approx(2.0)
+    pa = a.logits[0][1].double().softmax(-1)
+    pb = b.logits[0][1].double().softmax(-1)
+    assert lg.loc[(0, 1), "kl"] == pytest.approx(float((pa * (pa / pb).log()).sum()))
+    assert lg.loc[(0, 0), "kl"] == 0
+    assert d.summary()["max_abs"] == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="not one of"):
+        d.per_layer("l2")
+    with pytest.raises(ValueError, match="was not compared"):
+        d.per_layer(site="mlp")
+
+
+def test_compare_fork_limits_positions_and_steps():
+    a = make_run(prompt_len=4, steps=5)
+    b = copy.deepcopy(a)
+    b.tokens[0][2] = (b.tokens[0][2] + 1) % D_VOCAB  # fork at step 2 in request 0
+    b.tokens[0][3] = (b.tokens[0][3] + 1) % D_VOCAB
+    # After the fork the activations differ a lot; they must not be compared.
+    b.resid[0][:, 4 + 2 :] += 100.0
+    b.logits[0][3:] += torch.randn(2, D_VOCAB)
+    d = compare(a, b)
+    assert d.fork == [2, None]
+    assert d.token_agreement == pytest.approx(8 / 10)
+    r0 = d.resid[(d.resid.request == 0) & (d.resid.site == "resid")]
+    assert sorted(set(r0.pos)) == list(range(4 + 2))  # positions 0..prompt_len+fork-1
+    assert (r0.max_abs == 0).all()
+    r1 = d.resid[(d.resid.request == 1) & (d.resid.site == "resid")]
+    assert sorted(set(r1.pos)) == list(range(a.positions(1)))
+    assert d.logits[d.logits.request == 0].step.tolist() == [0, 1, 2]
+    assert d.logits[d.logits.request == 1].step.tolist() == [0, 1, 2, 3, 4]
+    assert d.summary()["forks"] == [2, None]
+    assert "fork" in repr(d)
+
+
+def test_compare_validates_and_handles_missing_parts():
+    a = make_run()
+    b = copy.deepcopy(a)
+    b.prompts[1] = "other"
+    with pytest.raises(ValueError, match="prompt 1 differs"):
+        compare(a, b)
+    c = make_run(layers=(0, 1, 3))
+    with pytest.raises(ValueError, match="same captured layers"):
+        compare(a, c)
+    with pytest.raises(TypeError, match="nnvllm.results.Run"):
+        compare(a, "run")
+    bare = copy.deepcopy(a)
+    bare.resid, bare.logits, bare.sites = None, None, {}
+    d = compare(a, bare)
+    assert (
+        d.resid.empty
+        and d.logits.empty
+        and d.logits.columns.tolist() == ["request", "step", "kl", "top1_agree", "max_abs"]
+    )
+    s = d.summary()
+    assert s["max_abs"] != s["max_abs"] and s["token_agreement"] == 1.0  # NaN without resid
+    assert d.per_layer().empty
+
+
+def test_compare_kl_with_masked_logits():
+    a = make_run(n_req=1)
+    a.logits[0][:, 5] = -float("inf")
+    b = copy.deepcopy(a)
+    d = compare(a, b)
+    assert d.logits.kl.to_numpy() == pytest.approx(0.0, abs=1e-12)
+    assert (d.logits.max_abs == 0).all()
+
+
+# --- plotting ----------------------------------------------------------------------------------
+
+
+def test_plot_lens():
+    run = make_run(prompt_len=4, steps=5)
+    lens = Lens.from_run(run, 0, make_unembed(), k=2, tokenizer=CharTokenizer())
+    ax = plot_lens(lens)
+    assert len(ax.images) == 1
+    assert ax.images[0].get_array().shape == (3, run.positions(0))
+    assert len(ax.texts) == 3 * run.positions(0)
+    assert len(ax.lines) == 1  # the prompt/generated boundary
+    ticks = ax.get_xticklabels()
+    assert [t.get_text() for t in ticks] == lens.labels
+    assert ticks[4].get_color() != ticks[3].get_color()
+
+    _, own = plt.subplots()
+    ax2 = lens.plot(ax=own, annotate=False, max_positions=3)
+    assert ax2 is own and not ax2.texts
+    assert ax2.images[0].get_array().shape == (3, 3)
+    assert not ax2.lines  # only generated positions shown: no boundary inside the view
+
+
+def test_plot_patch():
+    res = make_patch()
+    ax = res.plot()
+    assert len(ax.images) == 1
+    lo, hi = ax.images[0].get_clim()
+    assert lo == -hi
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["b (1)", "d (3)"]
+    assert plot_patch(res).images
+
+
+def test_plot_compare():
+    a = make_run()
+    b = copy.deepcopy(a)
+    b.tokens[1][1] += 1
+    b.resid[0] += 1e-3 * torch.randn_like(b.resid[0])
+    d = compare(a, b, names=("tp1", "tp2"))
+    ax = d.plot()
+    assert len(ax.lines) == 3 and ax.get_yscale() == "log"
+    assert "fork at step 1" in ax.get_title()
+    ax_same = plot_compare(compare(a, a))
+    assert len(ax_same.lines) == 3 and "fork" not in ax_same.get_title()
+
+
+def test_plot_samples():
+    run = make_run()
+    ax = plot_samples(run, 1, tokenizer=CharTokenizer())
+    assert len(ax.patches) == len(run.samples[1])
+    assert ax.collections  # the top-k dots
+    assert [t.get_text() for t in ax.get_xticklabels()] == [chr(97 + t) for t in run.tokens[1]]
+    with pytest.raises(ValueError, match="out of range"):
+        plot_samples(run, 5)
+
+
+# --- results & purity --------------------------------------------------------------------------
+
+
+def test_run_save_load_round_trip(tmp_path):
+    run = make_run()
+    run.save(tmp_path / "run.pt")
+    back = Run.load(tmp_path / "run.pt")
+    assert back.prompts == run.prompts and back.tokens == run.tokens and back.layers == run.layers
+    assert isinstance(back.samples[0], Samples)
+    assert torch.equal(back.samples[1].top_ids, run.samples[1].top_ids)
+    assert all(torch.equal(x, y) for x, y in zip(back.resid, run.resid))
+    assert torch.equal(back.sites["attn"][0], run.sites["attn"][0])
+    assert back.meta == run.meta and back.sampling == run.sampling
+    pd.testing.assert_frame_equal(back.to_frame(), run.to_frame())
+    d = compare(run, back)
+    assert d.summary()["max_abs"] == 0
+
+
+def test_pure_modules_import_no_engine():
+    """lens/compare/patching/plotting import neither an engine nor transformers, even lazily."""
+    import ast
+    import importlib
+
+    for name in ("lens", "compare", "patching", "plotting"):
+        path = importlib.import_module(f"nnvllm.{name}").__file__
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+        mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+        bad = {m for m in mods if m.split(".")[0] in ("vllm", "nnsight", "transformers", "ipywidgets")}
+        assert not bad, (name, bad)
