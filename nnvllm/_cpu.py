@@ -31,6 +31,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from .arch import untie_shared_modules
+from .capture import CaptureWorker
 
 __all__ = ["CPUVLLM", "NNsightCPUWorker", "NNsightCPUModelRunner"]
 
@@ -49,7 +50,7 @@ class NNsightCPUModelRunner(NNsightGPUModelRunner, _UntiedCPURunner):
     """
 
 
-class NNsightCPUWorker(NNsightGPUWorker, CPUWorker):
+class NNsightCPUWorker(CaptureWorker, NNsightGPUWorker, CPUWorker):
     """vLLM's CPU worker with nnsight's RPC methods (``collect_nnsight``, ``nnsight_register``, ...)."""
 
     def init_device(self) -> None:

@@ -10,6 +10,7 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from .arch import untie_shared_modules
+from .capture import CaptureWorker
 
 
 class _UntiedGPURunner(GPUModelRunner):
@@ -23,7 +24,7 @@ class NNsightUntiedGPUModelRunner(NNsightGPUModelRunner, _UntiedGPURunner):
     """nnsight's runner over a model whose shared stateless modules were copied per block."""
 
 
-class NNsightUntiedGPUWorker(NNsightGPUWorker):
+class NNsightUntiedGPUWorker(CaptureWorker, NNsightGPUWorker):
     def init_device(self) -> None:
         super().init_device()  # checks the runner and installs NNsightGPUModelRunner
         self.model_runner.__class__ = NNsightUntiedGPUModelRunner

@@ -15,7 +15,9 @@ Under tensor parallelism every rank runs the hooks; sites that are one rank's sl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import pickle
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -153,23 +155,33 @@ class _Recorder:
         return out
 
 
-def _arm(worker: Any, spec: _Spec) -> None:
-    old = getattr(worker, "_nnvllm_recorder", None)
-    if old is not None:
-        old.remove()
-    worker._nnvllm_recorder = _Recorder(worker.model_runner, spec)
+class CaptureWorker:
+    """Worker methods nnvllm's engine workers carry (reached by name through ``collective_rpc``).
 
+    By name, not as a function: a multiprocess engine serializes RPCs with msgspec, which refuses
+    functions. Results travel pickled, as bytes (as nnsight's own ``collect_nnsight`` does).
+    """
 
-def _collect(worker: Any) -> dict | None:
-    rec = getattr(worker, "_nnvllm_recorder", None)
-    if rec is None:
-        return None
-    rec.remove()
-    worker._nnvllm_recorder = None
-    from vllm.distributed import get_tensor_model_parallel_rank
+    def nnvllm_arm(self, spec: dict) -> None:
+        old = getattr(self, "_nnvllm_recorder", None)
+        if old is not None:
+            old.remove()
+        spec = _Spec(spec["blocks"], spec["family"], tuple(spec["layers"]),
+                     {k: tuple(v) for k, v in spec["sites"].items()}, spec["logits"])
+        self._nnvllm_recorder = _Recorder(self.model_runner, spec)
 
-    # Every rank recorded the same full-width values; only rank 0's travel back.
-    return rec.collect() if get_tensor_model_parallel_rank() == 0 else None
+    def nnvllm_collect(self) -> bytes | None:
+        import pickle
+
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        rec = getattr(self, "_nnvllm_recorder", None)
+        if rec is None:
+            return None
+        rec.remove()
+        self._nnvllm_recorder = None
+        # Every rank recorded the same full-width values; only rank 0's travel back.
+        return pickle.dumps(rec.collect()) if get_tensor_model_parallel_rank() == 0 else None
 
 
 # ---------------------------------------------------------------- client side
@@ -272,11 +284,12 @@ def generate(
     params = SamplingParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos
     )
-    llm.collective_rpc(_arm, args=(spec,))
+    llm.collective_rpc("nnvllm_arm", args=(dataclasses.asdict(spec),))
     try:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        records = llm.collective_rpc(_collect)[0] or {}
+        raw = llm.collective_rpc("nnvllm_collect")[0]
+    records = pickle.loads(raw) if raw else {}
     # Internal request ids are the external id plus "-<8 random chars>" (vLLM >= 0.11).
     external = {str(o.request_id) for o in outputs}
     by_external = {(rid if rid in external else rid.rsplit("-", 1)[0]): rec for rid, rec in records.items()}

@@ -33,9 +33,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -103,7 +103,9 @@ def _write_settings(settings_dir: Path) -> None:
 
 def _request(lab_url: str, token: str, path: str, method: str = "GET", timeout: float = 2.0) -> int:
     req = urllib.request.Request(
-        lab_url + path, method=method, headers={"Authorization": f"token {token}"},
+        lab_url + path,
+        method=method,
+        headers={"Authorization": f"token {token}"},
         data=b"" if method == "POST" else None,
     )
     with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -141,17 +143,30 @@ def jupyterlab(root_dir: str | os.PathLike, *, startup_timeout: float = 90.0) ->
         env["JUPYTERLAB_WORKSPACES_DIR"] = str(tmp / "workspaces")
         env["JUPYTER_RUNTIME_DIR"] = str(tmp / "runtime")
         cmd = [
-            sys.executable, "-m", "jupyterlab", "--no-browser",
-            "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-            f"--IdentityProvider.token={token}", "--ServerApp.allow_root=True",
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            "--ServerApp.allow_root=True",
             f"--ServerApp.root_dir={root}",
             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
             "--LabApp.extension_manager=readonly",
         ]
         log = tmp / "lab.log"
         with open(log, "wb") as logf:
-            proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=root,
+                env=env,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         lab = Lab(url=url, token=token, root_dir=root, proc=proc, log=log)
         try:
             deadline = time.monotonic() + startup_timeout
@@ -162,8 +177,10 @@ def jupyterlab(root_dir: str | os.PathLike, *, startup_timeout: float = 90.0) ->
                     if _request(url, token, "/api/status") == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"jupyter lab did not answer on {url} within "
-                                       f"{startup_timeout:.0f}s:\n{lab.log_tail()}")
+                    raise TimeoutError(
+                        f"jupyter lab did not answer on {url} within "
+                        f"{startup_timeout:.0f}s:\n{lab.log_tail()}"
+                    )
                 time.sleep(0.25)
             yield lab
         finally:
@@ -203,8 +220,10 @@ def open_notebook(context, lab: Lab, path: str, *, kernel_timeout: float = 90.0)
     try:
         page.locator("#jp-main-statusbar", has_text=KERNEL_IDLE).wait_for(timeout=kernel_timeout * 1000)
     except Exception as e:
-        raise TimeoutError(f"kernel not idle after {kernel_timeout:.0f}s opening {path}; status bar: "
-                           f"{_statusbar(page)!r}\nserver log:\n{lab.log_tail()}") from e
+        raise TimeoutError(
+            f"kernel not idle after {kernel_timeout:.0f}s opening {path}; status bar: "
+            f"{_statusbar(page)!r}\nserver log:\n{lab.log_tail()}"
+        ) from e
     return page
 
 
@@ -249,13 +268,17 @@ def run_all(page, *, timeout: float = 300.0) -> float:
             if idle and not running:
                 stopped_since = stopped_since or time.monotonic()
                 if time.monotonic() - stopped_since > 3:
-                    raise RuntimeError(f"Run All stopped early; prompts {prompts}\n"
-                                       + "\n".join(page.evaluate(_ERRORS_JS))[-4000:])
+                    raise RuntimeError(
+                        f"Run All stopped early; prompts {prompts}\n"
+                        + "\n".join(page.evaluate(_ERRORS_JS))[-4000:]
+                    )
             else:
                 stopped_since = None
         if time.monotonic() - t0 > timeout:
-            raise TimeoutError(f"Run All not done after {timeout:.0f}s; prompts {prompts}, status bar "
-                               f"{_statusbar(page)!r}\n" + "\n".join(page.evaluate(_ERRORS_JS))[-4000:])
+            raise TimeoutError(
+                f"Run All not done after {timeout:.0f}s; prompts {prompts}, status bar "
+                f"{_statusbar(page)!r}\n" + "\n".join(page.evaluate(_ERRORS_JS))[-4000:]
+            )
         time.sleep(0.25)
 
 
@@ -293,7 +316,9 @@ def wait_img_src_change(page, css_class: str, old: str, *, timeout: float = 60.0
     page.wait_for_function(
         """([sel, old]) => { const i = document.querySelector(sel + ' img');
                              return i && i.getAttribute('src') && i.getAttribute('src') !== old; }""",
-        arg=[f".jp-Notebook .{css_class}", old], timeout=timeout * 1000, polling=200,
+        arg=[f".jp-Notebook .{css_class}", old],
+        timeout=timeout * 1000,
+        polling=200,
     )
     return img_src(page, css_class)
 

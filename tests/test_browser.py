@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import browser  # noqa: E402  (tests/browser.py, the harness)
+import browser  # tests/browser.py, the harness
 
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "build" / "test-artifacts"
@@ -44,8 +44,13 @@ def _drive(root: Path, notebook: str, shot: Path) -> dict:
         after = browser.wait_img_src_change(page, "nnvllm-plot", before)
         after_value = browser.slider_readout(page, "nnvllm-layer")
         browser.screenshot(page, shot, css_class="nnvllm-lens")
-    seen = dict(run_s=run_s, total_s=time.monotonic() - t0, before_value=before_value,
-                after_value=after_value, changed=after != before)
+    seen = {
+        "run_s": run_s,
+        "total_s": time.monotonic() - t0,
+        "before_value": before_value,
+        "after_value": after_value,
+        "changed": after != before,
+    }
     print(f"{notebook}: {seen}")
     return seen
 
@@ -88,8 +93,11 @@ def test_harness_on_widget_notebook(needs_browser, tmp_path):
     import nbformat
 
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)",
-                                 "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3 (ipykernel)",
+        "language": "python",
+    }
     nb.cells = [nbformat.v4.new_code_cell(src) for src in HARNESS_CELLS]
     nbformat.write(nb, tmp_path / "harness.ipynb")
     seen = _drive(tmp_path, "harness.ipynb", ARTIFACTS / "harness_notebook.png")
