@@ -12,11 +12,11 @@ The public verbs, one hop from here:
 Importing nnvllm imports neither vLLM nor nnsight and changes no global state.
 """
 
-from . import toy
+from . import sampling, toy
 from .capture import generate
 from .engine import load
 from .reference import reference
 from .results import Run, Samples
 
 __version__ = "0.1.0"
-__all__ = ["load", "generate", "reference", "Run", "Samples", "toy", "__version__"]
+__all__ = ["load", "generate", "reference", "Run", "Samples", "sampling", "toy", "__version__"]

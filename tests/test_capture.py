@@ -1,0 +1,92 @@
+"""Capture over generation, checked against plain transformers at fp32 on three checkpoints:
+the embedded toy GPT-2, a tiny random GPT-2 and a tiny random Llama (GQA, untied head)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nnvllm as nv
+
+PROMPTS = ["The capital of France is", "The Eiffel Tower is in the city of", "Paris is"]
+SITES = ("attn", "mlp", "mlp_in", "mlp_act")
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module", params=["toy", "gpt2", "llama"])
+def engine(request, toy_path, tiny_paths, tp):
+    path = toy_path if request.param == "toy" else tiny_paths[request.param]
+    model = nv.load(path, tensor_parallel_size=tp)
+    yield path, model
+    model.close()
+
+
+def _maxdiff(a, b):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
+def test_every_quantity_matches_transformers(engine):
+    path, model = engine
+    run = nv.generate(model, PROMPTS, max_tokens=5, sites=SITES, ignore_eos=True)
+    ref = nv.reference(path, PROMPTS, max_tokens=5, sites=SITES, ignore_eos=True)
+    assert run.tokens == ref.tokens  # greedy: identical
+    assert run.prompt_ids == ref.prompt_ids
+    for i in range(len(PROMPTS)):
+        n_pos = len(run.prompt_ids[i]) + 5 - 1  # prompt + fed-back tokens; different per prompt
+        assert run.resid[i].shape == (model.n_layers, n_pos, run.resid[i].shape[-1])
+        assert run.logits[i].shape[0] == 5
+        assert _maxdiff(run.resid[i], ref.resid[i]) < TOL
+        assert _maxdiff(run.logits[i], ref.logits[i]) < TOL
+        for s in SITES:
+            assert _maxdiff(run.sites[s][i], ref.sites[s][i]) < TOL, s
+        assert torch.equal(run.samples[i].ids, torch.tensor(run.tokens[i]))
+        assert (run.samples[i].probs - ref.samples[i].probs).abs().max() < 1e-4
+
+
+def test_blocks_differ_per_layer_for_shared_activation_module(engine):
+    """vLLM's GPT-2 shares one activation module across blocks; each block must get its own value."""
+    path, model = engine
+    run = nv.generate(model, PROMPTS[0], max_tokens=1, layers=[0, 1], sites=("mlp_act",))
+    ref = nv.reference(path, PROMPTS[0], max_tokens=1, layers=[0, 1], sites=("mlp_act",))
+    a = run.sites["mlp_act"][0]
+    assert _maxdiff(a[0], a[1]) > 1e-2
+    assert _maxdiff(a, ref.sites["mlp_act"][0]) < TOL
+
+
+def test_layer_subset_and_no_capture(engine):
+    path, model = engine
+    run = nv.generate(model, PROMPTS[:2], max_tokens=2, layers=[-1, 0], logits=False)
+    assert run.layers == [model.n_layers - 1, 0]
+    assert run.logits is None and run.resid[0].shape[0] == 2
+    ref = nv.reference(path, PROMPTS[:2], max_tokens=2, layers=[-1, 0])
+    assert _maxdiff(run.resid[1], ref.resid[1]) < TOL
+    bare = nv.generate(model, PROMPTS[:2], max_tokens=2, layers=None)
+    assert bare.resid is None and bare.tokens == run.tokens
+
+
+def test_sampling_is_reproducible_with_seed_and_probs_are_the_sampling_distribution(engine):
+    _, model = engine
+    kw = dict(max_tokens=4, temperature=0.8, top_p=0.95, seed=1234, layers=None, ignore_eos=True)
+    a = nv.generate(model, PROMPTS, **kw)
+    b = nv.generate(model, PROMPTS, **kw)
+    assert a.tokens == b.tokens
+    for i in range(len(PROMPTS)):
+        s = a.samples[i]
+        probs = nv.sampling.sampling_probs(a.logits[i], 0.8, 0.95)
+        assert torch.allclose(s.probs, probs.gather(-1, s.ids[:, None])[:, 0])
+        assert (s.probs > 0).all()  # every draw lies inside the top-p set
+        assert torch.allclose(probs.sum(-1), torch.ones(len(s)), atol=1e-5)
+        assert (s.top_probs[:, :-1] >= s.top_probs[:, 1:]).all()
+
+
+def test_run_save_load_and_frame(engine, tmp_path):
+    _, model = engine
+    run = nv.generate(model, PROMPTS[:2], max_tokens=3, sites=("mlp",))
+    run.save(tmp_path / "run.pt")
+    back = nv.Run.load(tmp_path / "run.pt")
+    assert back.tokens == run.tokens and torch.equal(back.resid[1], run.resid[1])
+    assert torch.equal(back.sites["mlp"][0], run.sites["mlp"][0])
+    df = run.to_frame()
+    assert len(df) == sum(len(t) for t in run.tokens)
+    assert set(df.columns) >= {"request", "step", "token_id", "prob", "top1_id", "top1_prob", "logit"}
