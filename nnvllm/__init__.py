@@ -5,6 +5,8 @@ The public verbs, one hop from here:
 - :func:`load` (``engine.py``) — a vLLM engine through nnsight, on GPU or CPU.
 - :func:`generate` (``capture.py``) — one generation: logits, samples, every layer's activations.
 - :func:`reference` (``reference.py``) — the same capture on plain transformers (ground truth).
+- :func:`logit_lens`, :func:`patch` (``analyses.py``; math in ``lens.py``, ``patching.py``).
+- :func:`compare` (``compare.py``) — discrepancies between two runs (vLLM vs HF, TP1 vs TP2).
 - :class:`Run`, :class:`Samples` (``results.py``) — what those return.
 - :mod:`toy` (``toy.py``) — the embedded toy model, the default everywhere.
 - :mod:`testing` (``testing.py``) — tiny random GPT-2/Llama checkpoints for tests.
@@ -13,10 +15,12 @@ Importing nnvllm imports neither vLLM nor nnsight and changes no global state.
 """
 
 from . import sampling, toy
+from .analyses import logit_lens, patch
 from .capture import generate
+from .compare import compare
 from .engine import load
 from .reference import reference
 from .results import Run, Samples
 
 __version__ = "0.1.0"
-__all__ = ["load", "generate", "reference", "Run", "Samples", "sampling", "toy", "__version__"]
+__all__ = ["load", "generate", "reference", "logit_lens", "patch", "compare", "Run", "Samples", "sampling", "toy", "__version__"]

@@ -183,6 +183,28 @@ class CaptureWorker:
         # Every rank recorded the same full-width values; only rank 0's travel back.
         return pickle.dumps(rec.collect()) if get_tensor_model_parallel_rank() == 0 else None
 
+    def nnvllm_unembed(self, final_norm: str, unembed: str) -> bytes:
+        """Return this rank's final norm and its slice of the unembedding (original vocab rows only)."""
+        import pickle
+
+        model = self.model_runner.get_model()
+        norm = model.get_submodule(final_norm)
+        head = model.get_submodule(unembed)
+        w = head.weight.detach()
+        idx = getattr(head, "shard_indices", None)
+        if idx is not None:  # VocabParallelEmbedding / ParallelLMHead: [org slice, padding, added]
+            w = w[: idx.num_org_elements]
+        bias = getattr(head, "bias", None)
+        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", 1e-6)
+        return pickle.dumps({
+            "kind": "layernorm" if getattr(norm, "bias", None) is not None else "rmsnorm",
+            "norm_weight": norm.weight.detach().float().cpu(),
+            "norm_bias": None if getattr(norm, "bias", None) is None else norm.bias.detach().float().cpu(),
+            "eps": float(eps),
+            "weight": w.float().cpu(),
+            "bias": None if bias is None or idx is None else bias.detach()[: idx.num_org_elements].float().cpu(),
+        })
+
 
 # ---------------------------------------------------------------- client side
 

@@ -1,0 +1,182 @@
+"""The one-call analyses on a running engine: logit lens over generation and activation patching.
+
+The math lives in the pure modules (:mod:`nnvllm.lens`, :mod:`nnvllm.patching`,
+:mod:`nnvllm.compare`); this module only gathers what they need from the engine.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from .capture import generate
+from .lens import Lens, Norm, Unembed
+from .patching import PatchResult, logit_diff, normalized_effect, plan
+
+__all__ = ["unembedding", "logit_lens", "patch"]
+
+
+def unembedding(model) -> Unembed:
+    """Return the model's final norm and unembedding as the engine holds them (gathered over TP ranks).
+
+    Cached on the model: the weights do not change while the engine runs.
+    """
+    cached = model.__dict__.get("_nnvllm_unembed")
+    if cached is not None:
+        return cached
+    parts = [pickle.loads(b) for b in model.llm.collective_rpc(
+        "nnvllm_unembed", args=(model.arch.final_norm, model.arch.unembed))]
+    first = parts[0]
+    weight = torch.cat([p["weight"] for p in parts]) if len(parts) > 1 else first["weight"]
+    bias = None if first["bias"] is None else torch.cat([p["bias"] for p in parts])
+    if weight.shape[0] > len(model.tokenizer) and weight.shape[0] != model.llm.llm_engine.model_config.get_vocab_size():
+        weight = weight[: model.llm.llm_engine.model_config.get_vocab_size()]
+    u = Unembed(norm=Norm(first["kind"], first["norm_weight"], first["norm_bias"], first["eps"]),
+                weight=weight, bias=bias)
+    model.__dict__["_nnvllm_unembed"] = u
+    return u
+
+
+def logit_lens(model, prompt: str, max_tokens: int = 10, layers="all", top_k: int = 5, **sampling: Any) -> Lens:
+    """Project every block's residual, at every prompt position and generated step, to the vocabulary.
+
+    Each block's output goes through the model's own final norm and unembedding (GPT-2 ``ln_f``,
+    Llama ``norm``; tied or untied heads; gathered across TP ranks). At the last layer this equals
+    the engine's next-token distribution at every generated step.
+
+    Args:
+        model: from :func:`nnvllm.load`.
+        prompt: one prompt.
+        max_tokens: generated steps to follow (greedy unless ``temperature=`` is given).
+        layers: "all", an int or a list of block indices.
+        top_k: tokens kept per (layer, pos); full ``[layer, pos, d_vocab]`` is never kept.
+        **sampling: passed to :func:`nnvllm.generate` (``temperature``, ``top_p``, ``seed``, ``ignore_eos``).
+
+    Returns:
+        A :class:`~nnvllm.lens.Lens` with ``top_ids``/``top_probs`` ``[layer, pos, k]``,
+        ``prob_of(token)`` and ``plot()``.
+
+    Example:
+        >>> lens = nv.logit_lens(model, "The capital of France is", max_tokens=3)   # doctest: +SKIP
+        >>> lens.prob_of(" Paris")[:, 4]                                           # doctest: +SKIP
+    """
+    if not isinstance(prompt, str):
+        raise TypeError(f"logit_lens takes one prompt (str), got {type(prompt).__name__}; loop for several")
+    run = generate(model, prompt, max_tokens=max_tokens, layers=layers, logits=False, top_k=top_k, **sampling)
+    return Lens.from_run(run, 0, unembedding(model), k=top_k, tokenizer=model.tokenizer)
+
+
+def _single_token(tok, text: str | int, name: str) -> int:
+    if isinstance(text, int):
+        return text
+    ids = tok.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        pieces = [tok.decode([i]) for i in ids]
+        raise ValueError(
+            f"{name}={text!r} is {len(ids)} tokens {pieces}; patching compares single tokens. "
+            f"Pass one token (often with a leading space, e.g. {' ' + text.strip()!r}) or a token id."
+        ) from None
+    return ids[0]
+
+
+def _site_envoy(model, layer: int, site: str):
+    obj = model
+    for part in model.arch.blocks.split("."):
+        obj = getattr(obj, part)
+    obj = obj[layer]
+    path, _ = model.arch.site(site)
+    for part in path.split(".") if path else []:
+        obj = getattr(obj, part)
+    return obj
+
+
+def patch(
+    model,
+    clean: str,
+    corrupt: str,
+    answer: str | int,
+    wrong: str | int,
+    layers="all",
+    positions="all",
+    site: str = "resid",
+    progress: bool = True,
+) -> PatchResult:
+    """Patch clean activations into the corrupt run, one (layer, position) at a time.
+
+    For each cell the corrupt prompt runs with that block's ``site`` value at that position replaced
+    by the clean prompt's, and the normalized logit difference ``answer - wrong`` of the first
+    generated token is measured: 1 = clean behaviour restored, 0 = corrupt baseline. vLLM refuses
+    ``tracer.barrier``, so the clean pass is its own generation; all patched passes go to the
+    engine in one trace (one invoke each), which vLLM batches.
+
+    Args:
+        model: from :func:`nnvllm.load`.
+        clean, corrupt: prompts with the same number of tokens.
+        answer, wrong: the clean answer and the competing token (single tokens, text or id).
+        layers, positions: "all", an int or a list (negative counts from the end).
+        site: "resid" (block output), "attn" or "mlp" output.
+        progress: show a progress bar while the patched passes run.
+
+    Returns:
+        A :class:`~nnvllm.patching.PatchResult` (``effect`` ``[layer, pos]``, ``plot()``, ``to_frame()``).
+
+    Example:
+        >>> res = nv.patch(model, clean="The capital of France is", corrupt="The capital of Italy is",
+        ...                answer=" Paris", wrong=" Rome")                          # doctest: +SKIP
+    """
+    if site not in ("resid", "attn", "mlp"):
+        raise ValueError(f"site={site!r}; patch() writes 'resid', 'attn' or 'mlp' (same width as the stream)")
+    tok = model.tokenizer
+    a_id, w_id = _single_token(tok, answer, "answer"), _single_token(tok, wrong, "wrong")
+    c_ids, x_ids = tok.encode(clean), tok.encode(corrupt)
+    if len(c_ids) != len(x_ids):
+        raise ValueError(
+            f"clean has {len(c_ids)} tokens and corrupt {len(x_ids)}; patching position by position "
+            "needs prompts of the same length. Change a word of the same token length."
+        ) from None
+    L, P = plan(model.n_layers, len(c_ids), layers, positions)
+    base = generate(model, [clean, corrupt], max_tokens=1, layers=L, sites=() if site == "resid" else (site,))
+    clean_acts = (base.resid if site == "resid" else base.sites[site])[0]
+    clean_diff = float(logit_diff(base.logits[0][0], a_id, w_id))
+    corrupt_diff = float(logit_diff(base.logits[1][0], a_id, w_id))
+
+    cells = [(j, layer, p) for j, layer in enumerate(L) for p in P]
+    llama_resid = site == "resid" and model.arch.family == "llama"
+    diffs = torch.zeros(len(cells))
+    chunk = 64  # invokes per trace: bounded so a progress bar moves and memory stays flat
+    bar = tqdm(total=len(cells), desc="patching", disable=not progress, leave=False)
+    for start in range(0, len(cells), chunk):
+        part = cells[start : start + chunk]
+        with model.trace(temperature=0.0, max_tokens=1) as tracer:
+            for k, (j, layer, p) in enumerate(part):
+                vec = clean_acts[j, p]
+                with tracer.invoke(corrupt):
+                    out = _site_envoy(model, layer, site).output
+                    if llama_resid:  # (hidden, residual): make their sum the clean stream
+                        out[0][p] = vec
+                        out[1][p] = 0
+                    else:
+                        out[p] = vec
+                    pair = model.logits[0, [a_id, w_id]].save()
+        # A name saved in several invokes comes back as a list, in submission order.
+        pairs = pair if len(part) > 1 else [pair]
+        for k, v in enumerate(pairs):
+            diffs[start + k] = float(v[0] - v[1])
+        bar.update(len(part))
+    bar.close()
+    patched = diffs.view(len(L), len(P))
+    return PatchResult(
+        effect=normalized_effect(patched, clean_diff, corrupt_diff),
+        patched_diff=patched,
+        clean_diff=clean_diff,
+        corrupt_diff=corrupt_diff,
+        layers=L,
+        positions=P,
+        labels=[tok.decode([c_ids[p]]) for p in P],
+        site=site,
+        answer=tok.decode([a_id]),
+        wrong=tok.decode([w_id]),
+    )
