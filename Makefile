@@ -10,7 +10,7 @@ TP ?= 2
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lab demo test test-fast toy docs bench clean
+.PHONY: setup lab demo test toy docs browser bench clean
 
 $(BIN)/.ready: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -41,9 +41,19 @@ lab: setup
 demo: setup
 	$(BIN)/python -m nnvllm.demo build/demo
 
-test: setup
-	$(BIN)/python -m pytest -q tests/ --tp 1
-	$(BIN)/python -m pytest -q tests/test_vllm.py --tp $(TP)
+# Everything: unit + engine tests (TP=1), the seed's tests under TP=2, notebooks, browser, docs.
+test: setup browser
+	$(BIN)/python -m pytest -q -ra tests/ --tp 1
+	$(BIN)/python -m pytest -q -ra tests/test_vllm.py --tp $(TP)
+	$(BIN)/python -m pytest -q -ra --nbmake notebooks/
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
+
+# Debian chromium + the playwright package, for the one real-browser test (skipped without them).
+browser: setup
+	bash scripts/install_browser.sh
+
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: setup
 	$(BIN)/python benchmarks/capture.py

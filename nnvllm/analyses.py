@@ -114,9 +114,12 @@ def patch(
 
     Args:
         model: from :func:`nnvllm.load`.
-        clean, corrupt: prompts with the same number of tokens.
-        answer, wrong: the clean answer and the competing token (single tokens, text or id).
-        layers, positions: "all", an int or a list (negative counts from the end).
+        clean: the prompt whose activations are copied.
+        corrupt: the prompt they are written into (same number of tokens as ``clean``).
+        answer: the clean answer (one token, text or id).
+        wrong: the competing token, typically the corrupt prompt's answer.
+        layers: "all", an int or a list of blocks (negative counts from the end).
+        positions: "all", an int or a list of prompt positions.
         site: "resid" (block output), "attn" or "mlp" output.
         progress: show a progress bar while the patched passes run.
 

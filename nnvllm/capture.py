@@ -260,13 +260,16 @@ def generate(
     Args:
         model: from :func:`nnvllm.load`.
         prompts: one prompt or a list; each becomes one vLLM request, batched by the engine.
-        max_tokens, temperature, top_p, seed, ignore_eos: vLLM sampling settings
-            (``temperature=0`` is greedy; a ``seed`` makes sampling reproducible).
+        max_tokens: tokens to generate per prompt (one logits row each).
+        temperature: 0 is greedy.
+        top_p: nucleus sampling mass.
+        seed: makes sampling reproducible: the same seed draws the same tokens.
         layers: blocks whose output (the residual stream) to keep: "all", an int, a list, or None.
         logits: keep the ``[step, d_vocab]`` pre-sampling logits (samples are computed either way).
         top_k: how many alternatives :class:`~nnvllm.results.Samples` reports per step.
         sites: extra per-block sites to keep, from ``("attn", "mlp", "mlp_in", "mlp_act")``,
             for the same ``layers``.
+        ignore_eos: keep generating past the end-of-sequence token (a fixed number of steps).
 
     Returns:
         A :class:`~nnvllm.results.Run`; ``run.resid[i]`` is ``[layer, pos, d_model]`` over the prompt

@@ -101,8 +101,9 @@ def reference(
         tokens: replay these generated ids per prompt instead of generating (teacher forcing),
             e.g. ``tokens=run.tokens`` to compare with a vLLM run position by position.
         dtype: "float32" (default), "bfloat16" or "float16".
-        Other arguments: as :func:`nnvllm.generate`. Sampling (temperature > 0) uses torch's RNG
-            seeded with ``seed``, so its draws differ from vLLM's; pass ``tokens`` to compare.
+
+    The other arguments are those of :func:`nnvllm.generate`. Sampling (temperature > 0) uses
+    torch's RNG seeded with ``seed``, so its draws differ from vLLM's; pass ``tokens`` to compare.
 
     Example:
         >>> ref = nv.reference(nv.toy.path(), "The capital of France is", max_tokens=3)  # doctest: +SKIP

@@ -1,0 +1,34 @@
+"""environment.yml (conda) and pyproject.toml describe the same environment: no drift."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _name(req: str) -> str:
+    return re.split(r"[<>=!~\[ ;]", req.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def _pins(reqs) -> dict[str, str]:
+    return {_name(r): r.strip().replace(" ", "") for r in reqs}
+
+
+def test_environment_yml_matches_pyproject():
+    py = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = py["optional-dependencies"]
+    want = _pins(py["dependencies"] + extras["cpu"] + extras["notebooks"] + extras["docs"] + extras["dev"])
+    text = (ROOT / "environment.yml").read_text().split("- pip:", 1)[1]  # the pip section
+    got = _pins(m.group(1) for m in re.finditer(r"^\s+- (?!-)([^#\n]+?)\s*$", text, re.M)
+                if not m.group(1).startswith(("python=", "pip", "-e")))
+    assert set(want) == set(got), f"only in pyproject: {set(want) - set(got)}; only in environment.yml: {set(got) - set(want)}"
+    for name, spec in want.items():
+        assert got[name] == spec, f"{name}: pyproject says {spec!r}, environment.yml says {got[name]!r}"
+
+
+def test_toy_model_is_package_data():
+    py = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "toy_model/*" in py["tool"]["setuptools"]["package-data"]["nnvllm"]
