@@ -39,7 +39,7 @@ lab: setup
 
 # Headless: run the first notebook and write its plots to build/demo/.
 demo: setup
-	$(BIN)/python -m nnvllm.demo build/demo
+	$(BIN)/jupyter nbconvert --to html --execute notebooks/01_logit_lens.ipynb --output-dir build/demo
 
 # Everything: unit + engine tests (TP=1), the seed's tests under TP=2, notebooks, browser, docs.
 test: setup browser
