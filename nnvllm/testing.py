@@ -19,7 +19,9 @@ __all__ = ["tiny_checkpoint", "KINDS"]
 KINDS = ("gpt2", "llama")
 
 
-def tiny_checkpoint(kind: str, out_dir: str | os.PathLike, *, n_layers: int = 3, seed: int = 0) -> str:
+def tiny_checkpoint(
+    kind: str, out_dir: str | os.PathLike, *, n_layers: int = 3, d_model: int = 64, seed: int = 0
+) -> str:
     """Write a random ``kind`` ("gpt2" or "llama") checkpoint with a tokenizer to ``out_dir``.
 
     The Llama one uses grouped-query attention (2 query heads, 1 KV head) and an untied LM head, so
@@ -39,14 +41,14 @@ def tiny_checkpoint(kind: str, out_dir: str | os.PathLike, *, n_layers: int = 3,
     torch.manual_seed(seed)
     if kind == "gpt2":
         cfg = GPT2Config(
-            vocab_size=len(tok), n_positions=128, n_embd=64, n_layer=n_layers, n_head=2,
+            vocab_size=len(tok), n_positions=128, n_embd=d_model, n_layer=n_layers, n_head=d_model // 32,
             bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
         )
         model = GPT2LMHeadModel(cfg)
     else:
         cfg = LlamaConfig(
-            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+            vocab_size=len(tok), hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+            num_attention_heads=d_model // 32, num_key_value_heads=max(1, d_model // 64), head_dim=32, max_position_embeddings=128,
             tie_word_embeddings=False, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
             rms_norm_eps=1e-5,
         )

@@ -118,3 +118,40 @@ def test_tp_activations_agree_with_transformers(toy, toy_path, tp):
         for s in ("mlp_in", "mlp_act"):
             assert run.sites[s][i].shape[-1] == 256  # gathered, not one rank's slice
             assert (run.sites[s][i] - ref.sites[s][i]).abs().max() < 1e-3
+
+
+_TP1_SCRIPT = """
+import sys, torch, nnvllm as nv
+m = nv.load(sys.argv[1], tensor_parallel_size=1)
+run = nv.generate(m, sys.argv[3:], max_tokens=4, ignore_eos=True, sites=("mlp_in",))
+run.save(sys.argv[2] + "/run.pt")
+res = nv.patch(m, "The capital of France is", "The capital of Italy is", " Paris", " Rome", progress=False)
+torch.save(res.patched_diff, sys.argv[2] + "/patch.pt")
+m.close()
+"""
+
+
+@pytest.mark.tp
+def test_tp_vs_tp1_discrepancy_report_and_same_intervention(toy, toy_path, tp, tmp_path):
+    """TP=N against TP=1 (run in a fresh process): activations, logits, tokens and a patch sweep."""
+    import subprocess
+    import sys
+
+    prompts = [PROMPT, "The Eiffel Tower is in the city of"]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    subprocess.run([sys.executable, "-c", _TP1_SCRIPT, toy_path, str(tmp_path), *prompts],
+                   check=True, env=env, timeout=600)
+    tp1 = nv.Run.load(tmp_path / "run.pt")
+    tpn = nv.generate(toy, prompts, max_tokens=4, ignore_eos=True, sites=("mlp_in",))
+    assert tp1.meta["tp"] == 1 and tpn.meta["tp"] == tp
+    d = nv.compare(tp1, tpn, names=("tp1", f"tp{tp}"))
+    s = d.summary()
+    print(f"TP1 vs TP{tp}:", s)
+    assert s["token_agreement"] == 1.0 and d.fork == [None, None]
+    assert s["max_abs"] < 1e-3 and s["min_cosine"] > 0.9999 and s["max_kl"] < 1e-5
+    assert d.per_layer("max_abs", site="mlp_in").max() < 1e-3
+    # the same intervention under both: the patch sweep's logit differences agree
+    res = nv.patch(toy, PROMPT, "The capital of Italy is", " Paris", " Rome", progress=False)
+    diff = (res.patched_diff - torch.load(tmp_path / "patch.pt")).abs().max()
+    print(f"patch sweep TP1 vs TP{tp}: max |Δ logit diff| = {float(diff):.2e}")
+    assert diff < 1e-3

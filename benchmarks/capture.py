@@ -1,0 +1,121 @@
+"""Capture cost, side by side in one run, as ratios to bare vLLM generate.
+
+    python benchmarks/capture.py [--prompts 32] [--tokens 16] [--layers 6] [--d-model 256] [--repeats 3]
+
+Cases (same engine, same greedy workload; each capturing case keeps the residual stream of the
+blocks it names at every position the engine computes):
+
+- ``bare``: ``model.llm.generate`` on nnvllm's engine, nothing captured (vLLM's own path).
+- ``nv.generate all``: nnvllm's worker-side hooks, all blocks' residuals, logits and samples.
+- ``nv.generate 1 layer``: the same for one block.
+- ``nnsight per-invoke``: one nnsight invoke per prompt, all blocks stacked per step under
+  ``tracer.all()`` (the pattern nnvllm replaces).
+- ``nnsight on transformers``: ``LanguageModel.generate`` on the HF model, batch of all prompts,
+  all blocks saved per step under ``tracer.all()``.
+
+Prints medians of ``--repeats`` runs (after one warm-up each) and ratios to ``bare``; writes the
+table as JSON to ``--out`` when given. Absolute seconds only mean something on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--skip-hf", action="store_true", help="leave out nnsight on transformers")
+    ap.add_argument("--out", type=str, default=None)
+    args = ap.parse_args()
+
+    import nnvllm as nv
+    from nnvllm.testing import tiny_checkpoint
+
+    tmp = tempfile.mkdtemp(prefix="nnvllm-bench-")
+    path = tiny_checkpoint("gpt2", Path(tmp) / "gpt2", n_layers=args.layers, d_model=args.d_model)
+    words = [f for f, _ in nv.toy.FACTS]
+    prompts = [words[i % len(words)] for i in range(args.prompts)]
+    T, L = args.tokens, args.layers
+
+    model = nv.load(path)
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
+
+    def bare():
+        model.llm.generate(prompts, params, use_tqdm=False)
+
+    def nv_all():
+        nv.generate(model, prompts, max_tokens=T, ignore_eos=True)
+
+    def nv_one():
+        nv.generate(model, prompts, max_tokens=T, ignore_eos=True, layers=[L // 2])
+
+    def nnsight_invokes():
+        with model.trace(temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:
+            for p in prompts:
+                with tracer.invoke(p):
+                    steps = list().save()
+                    for _ in tracer.all():
+                        steps.append(torch.stack([model.transformer.h[i].output.clone() for i in range(L)]))
+
+    results = {}
+    for name, fn in [("bare vLLM generate", bare), ("nv.generate, all layers", nv_all),
+                     ("nv.generate, 1 layer", nv_one), ("nnsight, one invoke per prompt", nnsight_invokes)]:
+        results[name] = _timed(fn, args.repeats)
+        print(f"  {name:34s} {results[name]:8.3f} s", flush=True)
+    model.close()
+
+    if not args.skip_hf:
+        from nnsight import LanguageModel
+
+        lm = LanguageModel(path, dispatch=True, torch_dtype=torch.float32)
+        lm.tokenizer.padding_side = "left"
+        lm.tokenizer.pad_token = lm.tokenizer.eos_token
+
+        def hf():
+            with lm.generate(prompts, max_new_tokens=T, do_sample=False, min_new_tokens=T,
+                             pad_token_id=lm.tokenizer.eos_token_id) as tracer:
+                steps = list().save()
+                for _ in tracer.all():
+                    steps.append(torch.stack([lm.transformer.h[i].output.clone() for i in range(L)]))
+
+        results["nnsight on transformers (batched)"] = _timed(hf, args.repeats)
+
+    base = results["bare vLLM generate"]
+    print(f"\n{args.prompts} prompts x {T} tokens, GPT-2 shape {L} layers d={args.d_model}, "
+          f"{'cuda' if torch.cuda.is_available() else 'cpu'}; median of {args.repeats}")
+    print(f"{'case':36s} {'seconds':>9s} {'x bare':>8s}")
+    for name, s in results.items():
+        print(f"{name:36s} {s:9.3f} {s / base:8.2f}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"args": vars(args), "seconds": results,
+                                              "ratio_to_bare": {k: v / base for k, v in results.items()}},
+                                             indent=2))
+
+
+if __name__ == "__main__":
+    main()
