@@ -155,3 +155,13 @@ def test_tp_vs_tp1_discrepancy_report_and_same_intervention(toy, toy_path, tp, t
     diff = (res.patched_diff - torch.load(tmp_path / "patch.pt")).abs().max()
     print(f"patch sweep TP1 vs TP{tp}: max |Δ logit diff| = {float(diff):.2e}")
     assert diff < 1e-3
+
+
+@pytest.mark.tp
+def test_tp_logit_lens_gathers_the_unembedding(toy, toy_path, tp):
+    from test_analyses import _hf_lens_probs
+
+    lens = nv.logit_lens(toy, PROMPT, max_tokens=2, ignore_eos=True)
+    assert lens.unembed.weight.shape[0] == len(toy.tokenizer)  # every rank's vocab slice, padding dropped
+    ref = _hf_lens_probs(toy_path, toy.tokenizer.encode(PROMPT) + lens.generated[:-1])
+    assert (lens.top_probs - ref.topk(5, dim=-1).values).abs().max() < 1e-4

@@ -1,0 +1,741 @@
+"""Thin ipywidgets controllers over nnvllm's analyses, for exploring in a notebook.
+
+Each explorer owns its controls and its state; slow calls (anything that runs the engine) sit
+behind a button, views that only re-read a result (choosing a layer, a step, a cell) redraw at
+once without the engine. An exception from a callback is shown in the widget's error area
+(``.error``, CSS class ``nnvllm-error``) and kept in ``.last_error``; the widget keeps working.
+
+Everything a test needs is state: set a control's ``.value``, call ``.run_button.click()``, read
+the result attributes (``lens``, ``result``, ``run``, ``discrepancy``), the table HTML
+(``.table.value``) and the last drawn image (``.png``, PNG bytes).
+
+This is the only module that imports ipywidgets. The logic lives in the pure helpers below
+(``lens_table_html``, ``merge_patch_results``, ...), which are tested without an engine.
+
+Example::
+
+    from nnvllm.widgets import LensExplorer
+    LensExplorer(model, "The capital of France is")      # displays as its widget
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import traceback
+from typing import Any, Callable
+
+import ipywidgets as W
+
+from .analyses import logit_lens, patch
+from .capture import generate
+from .compare import Discrepancy, compare
+from .patching import PatchResult, normalized_effect
+from .results import Run
+
+__all__ = [
+    "LensExplorer",
+    "PatchExplorer",
+    "SamplesExplorer",
+    "CompareView",
+    "lens_rows",
+    "lens_table_html",
+    "step_position",
+    "merge_patch_results",
+    "token_options",
+    "summary_html",
+    "per_position",
+    "error_html",
+    "figure_png",
+]
+
+#: Top-k the lens is computed with; the widget's top-k slider shows up to this many.
+LENS_TOP_K = 10
+_HIGHLIGHT = "#ff7f0e"
+_METRICS = ("max_abs", "rel_err", "cosine")
+
+
+# ---------------------------------------------------------------------------------- pure helpers
+
+
+def _tok(text: str) -> str:
+    """A token as HTML: escaped, whitespace kept (``white-space: pre``) so " Paris" shows its space."""
+    return f"<code style='white-space:pre'>{html.escape(text)}</code>"
+
+
+def step_position(lens, step: int) -> int:
+    """Return the position whose lens distribution predicts generated token ``step``.
+
+    Position ``p`` holds token ``labels[p]`` and predicts token ``p + 1``; generated token 0 is
+    predicted at the last prompt position, ``prompt_len - 1``.
+
+    Example::
+
+        step_position(lens, 0)      # lens.prompt_len - 1
+    """
+    n = len(lens.generated)
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < max(n, 1):
+        raise ValueError(f"step={step!r} out of range for a lens of {n} generated tokens (0-{n - 1}).")
+    return lens.prompt_len - 1 + step
+
+
+def lens_rows(lens, layer_index: int, k: int = 5) -> list[dict]:
+    """Return one row per position: the input token and the lens's top-``k`` at one layer.
+
+    Args:
+        lens: a :class:`nnvllm.lens.Lens`.
+        layer_index: index into ``lens.layers`` (``-1`` is the last captured block).
+        k: how many tokens per position (at most the lens's own k).
+
+    Returns:
+        Dicts with ``pos``, ``input`` (token text at pos), ``generated`` (pos holds a generated
+        token), ``top`` (list of ``(token text, prob)``, most likely first).
+
+    Example::
+
+        lens_rows(lens, -1, k=3)[lens.prompt_len - 1]["top"][0]    # (' Paris', 0.98)
+    """
+    n_layer, n_pos, k_max = lens.top_ids.shape
+    if isinstance(layer_index, bool) or not isinstance(layer_index, int) or not -n_layer <= layer_index < n_layer:
+        raise ValueError(
+            f"layer_index={layer_index!r} out of range for a lens of {n_layer} layers (0-{n_layer - 1})."
+        )
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r} must be a positive int, e.g. k=5.")
+    k = min(k, k_max)
+    ids = lens.top_ids[layer_index, :, :k].tolist()
+    probs = lens.top_probs[layer_index, :, :k].float().tolist()
+    tok = lens.tokenizer
+    decode = (lambda t: str(t)) if tok is None else (lambda t: tok.decode([int(t)]))
+    return [
+        {
+            "pos": p,
+            "input": lens.labels[p],
+            "generated": p >= lens.prompt_len,
+            "top": [(decode(t), float(q)) for t, q in zip(ids[p], probs[p])],
+        }
+        for p in range(n_pos)
+    ]
+
+
+def lens_table_html(lens, layer_index: int, k: int = 5, highlight_pos: int | None = None) -> str:
+    """Return an HTML table of one layer's top-``k`` lens tokens at each position.
+
+    One row per position (input token, then the ``k`` most likely next tokens with their
+    probabilities). Generated positions are italic; ``highlight_pos`` gets a coloured row. Token
+    text is HTML-escaped and whitespace is kept, so the string contains e.g. ``" Paris"``.
+
+    Example::
+
+        HTML(lens_table_html(lens, -1, k=3))
+    """
+    rows = lens_rows(lens, layer_index, k)
+    k = len(rows[0]["top"]) if rows else 0
+    block = lens.layers[layer_index]
+    head = "".join(f"<th>top {r + 1}</th>" for r in range(k))
+    out = [
+        "<table class='nnvllm-table' style='border-collapse:collapse;font-size:12px'>",
+        f"<caption style='text-align:left'>layer {block}: top-{k} next tokens at each position</caption>",
+        f"<tr><th>pos</th><th>input</th>{head}</tr>",
+    ]
+    for r in rows:
+        style = []
+        if r["pos"] == highlight_pos:
+            style.append(f"background:{_HIGHLIGHT}33")
+        if r["generated"]:
+            style.append("font-style:italic")
+        cells = "".join(
+            f"<td style='padding:0 6px'>{_tok(t)} <span style='color:#666'>{q:.2f}</span></td>"
+            for t, q in r["top"]
+        )
+        out.append(
+            f"<tr data-pos='{r['pos']}' style='{';'.join(style)}'><td>{r['pos']}</td>"
+            f"<td>{_tok(r['input'])}</td>{cells}</tr>"
+        )
+    out.append("</table>")
+    return "\n".join(out)
+
+
+def token_options(tokenizer, text: str) -> list[tuple[str, int]]:
+    """Return ``(label, pos)`` for each token of ``text`` as :func:`nnvllm.patch` positions count them.
+
+    The same ``tokenizer.encode(text)`` as ``patch`` (special tokens included, e.g. a BOS).
+
+    Example::
+
+        token_options(model.tokenizer, "The capital of France is")[3]   # ("3: ' France'", 3)
+    """
+    ids = tokenizer.encode(text)
+    return [(f"{p}: {tokenizer.decode([t])!r}", p) for p, t in enumerate(ids)]
+
+
+def merge_patch_results(parts: list[PatchResult]) -> PatchResult:
+    """Stack sweeps over different layers (same prompts, positions, site) into one result.
+
+    The effect is recomputed from the raw logit differences with the first part's clean and
+    corrupt baselines, so the merged result is the one a single sweep would give.
+
+    Example::
+
+        merge_patch_results([nv.patch(m, c, x, a, w, layers=[j]) for j in range(m.n_layers)])
+    """
+    import torch
+
+    if not parts:
+        raise ValueError("merge_patch_results needs at least one PatchResult, got none.")
+    first = parts[0]
+    for p in parts[1:]:
+        if (p.positions, p.site, p.answer, p.wrong) != (first.positions, first.site, first.answer, first.wrong):
+            raise ValueError(
+                "merge_patch_results needs parts with the same positions, site, answer and wrong token; "
+                f"got {(p.positions, p.site, p.answer, p.wrong)} vs "
+                f"{(first.positions, first.site, first.answer, first.wrong)}."
+            )
+    patched = torch.cat([p.patched_diff for p in parts])
+    return PatchResult(
+        effect=normalized_effect(patched, first.clean_diff, first.corrupt_diff),
+        patched_diff=patched,
+        clean_diff=first.clean_diff,
+        corrupt_diff=first.corrupt_diff,
+        layers=[layer for p in parts for layer in p.layers],
+        positions=list(first.positions),
+        labels=list(first.labels),
+        site=first.site,
+        answer=first.answer,
+        wrong=first.wrong,
+        step=first.step,
+    )
+
+
+def per_position(d: Discrepancy, metric: str, layer: int):
+    """Return one metric at one layer as a ``request × pos`` table (residual stream rows).
+
+    Example::
+
+        per_position(nv.compare(ref, run), "rel_err", 3)
+    """
+    if metric not in _METRICS:
+        raise ValueError(f"metric={metric!r} is not one of {_METRICS}; pass e.g. metric='rel_err'.")
+    rows = d.resid[(d.resid["site"] == "resid") & (d.resid["layer"] == layer)]
+    return rows.pivot(index="request", columns="pos", values=metric)
+
+
+def summary_html(d: Discrepancy) -> str:
+    """Return :meth:`Discrepancy.summary` as a two-column HTML table."""
+    s = d.summary()
+    fmt = {
+        "max_abs": "{:.3g}", "max_rel_err": "{:.3g}", "min_cosine": "{:.9f}", "max_kl": "{:.3g}",
+        "top1_agreement": "{:.3f}", "token_agreement": "{:.3f}",
+    }
+    rows = [f"<tr><th colspan=2 style='text-align:left'>{html.escape(' vs '.join(s['names']))}</th></tr>"]
+    for key, value in s.items():
+        if key == "names":
+            continue
+        text = fmt[key].format(value) if key in fmt else str(value)
+        rows.append(f"<tr><td>{html.escape(key)}</td><td style='padding-left:8px'>{html.escape(text)}</td></tr>")
+    return "<table class='nnvllm-summary' style='font-size:12px'>" + "".join(rows) + "</table>"
+
+
+def error_html(exc: BaseException) -> str:
+    """Return an exception as HTML: its message in red, the traceback folded below."""
+    msg = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return (
+        f"<div style='color:#b00020'><b>Error:</b> <code style='white-space:pre-wrap'>{html.escape(msg)}"
+        f"</code></div><details><summary>traceback</summary><pre style='font-size:11px'>"
+        f"{html.escape(tb)}</pre></details>"
+    )
+
+
+def figure_png(fig) -> bytes:
+    """Render a matplotlib Figure to PNG bytes (no pyplot, no backend state touched)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return buf.getvalue()
+
+
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height))
+
+
+# ---------------------------------------------------------------------------------- the explorers
+
+
+class _Explorer:
+    """What every explorer shares: the error area, guarded callbacks and PNG output."""
+
+    widget: W.Box
+
+    def __init__(self) -> None:
+        self.error = W.HTML(value="")
+        self.error.add_class("nnvllm-error")
+        self.last_error: BaseException | None = None
+        self.png: bytes | None = None  # the last image drawn into .plot
+        self.draws = 0
+
+    def _guard(self, fn: Callable[..., Any], *args: Any, clear: bool = False) -> bool:
+        """Run a callback; show an exception in the error area instead of losing it."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - a widget callback must not lose errors
+            self.last_error = e
+            self.error.value = error_html(e)
+            return False
+        if clear:
+            self.last_error = None
+            self.error.value = ""
+        return True
+
+    def _show(self, out: W.Output, fig, text: str) -> None:
+        # Replacing the outputs in one assignment works with or without a kernel and any backend.
+        png = figure_png(fig)
+        out.outputs = (
+            {
+                "output_type": "display_data",
+                "data": {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": text},
+                "metadata": {},
+            },
+        )
+        self.png = png
+        self.draws += 1
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+def _button(description: str, on_click: Callable[[], None]) -> W.Button:
+    b = W.Button(description=description, button_style="primary")
+    b.on_click(lambda _: on_click())
+    return b
+
+
+class LensExplorer(_Explorer):
+    """Logit lens of one prompt over generation: heatmap, a chosen layer's top-k table, a chosen step.
+
+    Controls: ``prompt`` (Text), ``max_tokens``, ``run_button`` (runs the engine), ``layer``
+    (IntSlider, CSS class ``nnvllm-layer``: the layer whose top tokens the table shows and the
+    heatmap outlines), ``step`` (generated step whose predicting position is marked) and ``top_k``.
+    Views: ``plot`` (Output, class ``nnvllm-plot``), ``table`` (HTML), ``status`` (HTML).
+    State: ``lens`` (:class:`nnvllm.lens.Lens`), ``png``, ``last_error``.
+
+    The first run happens at construction (one short generation), so the widget opens with a
+    picture; later runs happen on the button.
+
+    Example::
+
+        ex = LensExplorer(model, "The capital of France is", max_tokens=5)
+        ex.layer.value = 5                  # redraws; no engine call
+        ex.prompt.value = "The capital of Italy is"; ex.run_button.click()
+    """
+
+    def __init__(self, model, prompt: str = "The capital of France is", max_tokens: int = 5,
+                 run_now: bool = True) -> None:
+        super().__init__()
+        self.model = model
+        self.lens = None
+        n = model.n_layers
+        self.prompt = W.Text(value=prompt, description="prompt", continuous_update=False,
+                             layout=W.Layout(width="420px"))
+        self.max_tokens = W.BoundedIntText(value=max_tokens, min=1, max=256, description="max tokens",
+                                           layout=W.Layout(width="160px"))
+        self.run_button = _button("Run", self.run)
+        self.layer = W.IntSlider(value=0, min=0, max=n - 1, description="layer", continuous_update=False)
+        self.layer.add_class("nnvllm-layer")
+        self.step = W.IntSlider(value=0, min=0, max=max(max_tokens - 1, 0), description="step",
+                                continuous_update=False)
+        self.top_k = W.IntSlider(value=5, min=1, max=LENS_TOP_K, description="top-k", continuous_update=False)
+        self.plot = W.Output()
+        self.plot.add_class("nnvllm-plot")
+        self.table = W.HTML()
+        self.status = W.HTML()
+        self.layer.observe(lambda _: self._guard(self.redraw), names="value")
+        self.step.observe(lambda _: self._guard(self.redraw), names="value")
+        self.top_k.observe(lambda _: self._guard(self._update_table), names="value")
+        self.widget = W.VBox([
+            W.HBox([self.prompt, self.max_tokens, self.run_button]),
+            W.HBox([self.layer, self.step, self.top_k]),
+            self.status,
+            self.error,
+            W.HBox([self.plot, self.table]),
+        ])
+        self.widget.add_class("nnvllm-lens")
+        if run_now:
+            self.run()
+
+    def run(self) -> None:
+        """Run the lens on the current prompt (the slow call); errors go to the error area."""
+        self.run_button.disabled = True
+        try:
+            self._guard(self._run, clear=True)
+        finally:
+            self.run_button.disabled = False
+
+    def _run(self) -> None:
+        lens = logit_lens(self.model, self.prompt.value, max_tokens=int(self.max_tokens.value),
+                          top_k=LENS_TOP_K)
+        self.lens = lens
+        with self.step.hold_trait_notifications(), self.layer.hold_trait_notifications():
+            self.layer.max = len(lens.layers) - 1
+            self.step.max = max(len(lens.generated) - 1, 0)
+            self.step.value = min(self.step.value, self.step.max)
+        self.top_k.max = int(lens.top_ids.shape[-1])
+        self.redraw()
+
+    @property
+    def position(self) -> int:
+        """The position the step slider points at (the one predicting generated token ``step``)."""
+        return step_position(self.lens, int(self.step.value))
+
+    def _update_table(self) -> None:
+        if self.lens is None:
+            return
+        self.table.value = lens_table_html(self.lens, int(self.layer.value), int(self.top_k.value),
+                                           highlight_pos=self.position)
+
+    def redraw(self) -> None:
+        """Redraw the heatmap (chosen layer outlined, chosen step's position marked), table and status."""
+        lens = self.lens
+        if lens is None:
+            return
+        j, pos = int(self.layer.value), self.position
+        n_layer, n_pos, _ = lens.top_ids.shape
+        shown = min(n_pos, 40)
+        start = n_pos - shown  # plot_lens shows the last 40 positions
+        fig = _figure(max(6.0, 2.0 + 0.55 * shown), max(3.0, 1.6 + 0.42 * n_layer))
+        ax = fig.subplots()
+        lens.plot(ax=ax, max_positions=40)
+        ax.add_patch(_rect(-0.5, j - 0.5, shown, 1.0, lw=2.5))
+        if pos >= start:
+            ax.add_patch(_rect(pos - start - 0.5, -0.5, 1.0, n_layer, lw=1.5, ls=":"))
+        ax.set_title(f"logit lens: layer {lens.layers[j]} outlined, step {self.step.value} dotted", fontsize=10)
+        self._show(self.plot, fig, f"<logit lens heatmap, layer {lens.layers[j]}>")
+        self._update_table()
+        row = lens_rows(lens, j, 1)[pos]
+        gen = lens.generated[int(self.step.value)] if lens.generated else None
+        gen_text = "" if gen is None else (lens.tokenizer.decode([gen]) if lens.tokenizer else str(gen))
+        self.status.value = (
+            f"step {self.step.value}: the model generated {_tok(gen_text)}; at layer {lens.layers[j]} "
+            f"the lens's top-1 at position {pos} ({_tok(row['input'])}) is {_tok(row['top'][0][0])} "
+            f"(p={row['top'][0][1]:.2f})"
+        )
+
+
+def _rect(x, y, w, h, lw=2.0, ls="-"):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x, y), w, h, fill=False, edgecolor=_HIGHLIGHT, linewidth=lw, linestyle=ls, clip_on=False)
+
+
+class SamplesExplorer(_Explorer):
+    """Sample a continuation and see what the sampler drew at each step, with its alternatives.
+
+    Controls: ``prompt``, ``max_tokens``, ``temperature``, ``top_p``, ``seed`` and ``run_button``
+    ("Sample", runs the engine). Views: ``plot`` (Output, class ``nnvllm-plot``:
+    :func:`nnvllm.plotting.plot_samples`), ``text`` (HTML: the continuation, each token shaded by
+    its probability), ``table`` (HTML: one row per step). State: ``run``, ``png``, ``last_error``.
+
+    Example::
+
+        ex = SamplesExplorer(model, "The capital of France is")
+        ex.temperature.value = 1.5; ex.run_button.click()
+    """
+
+    def __init__(self, model, prompt: str = "The capital of France is", max_tokens: int = 10,
+                 temperature: float = 0.8, top_p: float = 0.95, seed: int = 0, run_now: bool = True) -> None:
+        super().__init__()
+        self.model = model
+        self.run: Run | None = None  # the last sampled run (one request)
+        self.prompt = W.Text(value=prompt, description="prompt", continuous_update=False,
+                             layout=W.Layout(width="420px"))
+        self.max_tokens = W.BoundedIntText(value=max_tokens, min=1, max=256, description="max tokens",
+                                           layout=W.Layout(width="160px"))
+        self.temperature = W.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.05,
+                                         description="temperature", continuous_update=False)
+        self.top_p = W.FloatSlider(value=top_p, min=0.05, max=1.0, step=0.05, description="top-p",
+                                   continuous_update=False)
+        self.seed = W.IntText(value=seed, description="seed", layout=W.Layout(width="160px"))
+        self.run_button = _button("Sample", self.sample)
+        self.plot = W.Output()
+        self.plot.add_class("nnvllm-plot")
+        self.text = W.HTML()
+        self.table = W.HTML()
+        self.widget = W.VBox([
+            W.HBox([self.prompt, self.max_tokens, self.run_button]),
+            W.HBox([self.temperature, self.top_p, self.seed]),
+            self.error,
+            self.text,
+            W.HBox([self.plot, self.table]),
+        ])
+        self.widget.add_class("nnvllm-samples")
+        if run_now:
+            self.sample()
+
+    def sample(self) -> None:
+        """Generate with the current settings (the slow call); errors go to the error area."""
+        self.run_button.disabled = True
+        try:
+            self._guard(self._sample, clear=True)
+        finally:
+            self.run_button.disabled = False
+
+    def _sample(self) -> None:
+        from .plotting import plot_samples
+
+        run = generate(self.model, self.prompt.value, max_tokens=int(self.max_tokens.value),
+                       temperature=float(self.temperature.value), top_p=float(self.top_p.value),
+                       seed=int(self.seed.value), layers=None, logits=False)
+        self.run = run
+        tok = self.model.tokenizer
+        s = run.samples[0]
+        fig = _figure(max(6.0, 1.5 + 0.5 * len(s)), 3.6)
+        plot_samples(run, 0, ax=fig.subplots(), tokenizer=tok)
+        self._show(self.plot, fig, "<sampled tokens plot>")
+        pieces = "".join(
+            f"<span title='p={float(q):.3f}' style='background:rgba(31,119,180,{0.15 + 0.6 * float(q):.2f})'>"
+            f"{html.escape(tok.decode([int(t)]))}</span>"
+            for t, q in zip(s.ids.tolist(), s.probs)
+        )
+        self.text.value = f"<div style='white-space:pre-wrap'>{html.escape(run.prompts[0])}{pieces}</div>"
+        frame = run.to_frame()
+        frame.insert(3, "token", [tok.decode([int(t)]) for t in frame["token_id"]])
+        frame["top1"] = [tok.decode([int(t)]) for t in frame["top1_id"]]
+        self.table.value = frame[["step", "token", "prob", "top1", "top1_prob"]].to_html(
+            index=False, float_format="{:.3f}".format, classes="nnvllm-table")
+
+
+class PatchExplorer(_Explorer):
+    """Activation patching sweep with its heatmap and a single cell's effect.
+
+    Controls: ``clean``, ``corrupt``, ``answer``, ``wrong`` (Text), ``site`` (Dropdown: resid, attn,
+    mlp), ``layers`` (IntRangeSlider of blocks), ``positions`` (SelectMultiple of the clean
+    prompt's tokens), ``run_button`` ("Run sweep", one :func:`nnvllm.patch` call per layer so
+    ``progress`` moves), then ``cell_layer`` and ``cell_pos`` (choose a cell of the result).
+    Views: ``plot`` (Output, class ``nnvllm-plot``), ``cell`` (HTML). State: ``result``
+    (:class:`~nnvllm.patching.PatchResult`), ``png``, ``last_error``.
+
+    A sweep costs layers × positions forward passes, so nothing runs until the button is pressed
+    (``run_now=True`` runs one at construction).
+
+    Example::
+
+        ex = PatchExplorer(model, "The capital of France is", "The capital of Italy is", " Paris", " Rome")
+        ex.run_button.click(); ex.result.best()
+    """
+
+    def __init__(self, model, clean: str = "The capital of France is", corrupt: str = "The capital of Italy is",
+                 answer: str = " Paris", wrong: str = " Rome", site: str = "resid", run_now: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.result: PatchResult | None = None
+        n = model.n_layers
+        text = dict(continuous_update=False, layout=W.Layout(width="360px"))
+        self.clean = W.Text(value=clean, description="clean", **text)
+        self.corrupt = W.Text(value=corrupt, description="corrupt", **text)
+        self.answer = W.Text(value=answer, description="answer", placeholder="one token, e.g. ' Paris'",
+                             continuous_update=False)
+        self.wrong = W.Text(value=wrong, description="wrong", placeholder="one token, e.g. ' Rome'",
+                            continuous_update=False)
+        self.site = W.Dropdown(options=["resid", "attn", "mlp"], value=site, description="site")
+        self.layers = W.IntRangeSlider(value=(0, n - 1), min=0, max=n - 1, description="layers",
+                                       continuous_update=False)
+        self.positions = W.SelectMultiple(description="positions", rows=6)
+        self.run_button = _button("Run sweep", self.sweep)
+        self.progress = W.IntProgress(value=0, min=0, max=1, description="layers done")
+        self.progress.add_class("nnvllm-progress")
+        self.cell_layer = W.SelectionSlider(options=[0], description="cell layer", continuous_update=False)
+        self.cell_pos = W.SelectionSlider(options=[0], description="cell pos", continuous_update=False)
+        self.plot = W.Output()
+        self.plot.add_class("nnvllm-plot")
+        self.cell = W.HTML()
+        self._refresh_positions()
+        self.clean.observe(lambda _: self._guard(self._refresh_positions), names="value")
+        self.cell_layer.observe(lambda _: self._guard(self.redraw), names="value")
+        self.cell_pos.observe(lambda _: self._guard(self.redraw), names="value")
+        self.widget = W.VBox([
+            W.HBox([W.VBox([self.clean, self.corrupt]), W.VBox([self.answer, self.wrong])]),
+            W.HBox([W.VBox([self.site, self.layers, W.HBox([self.run_button, self.progress])]), self.positions]),
+            self.error,
+            W.HBox([self.cell_layer, self.cell_pos]),
+            self.cell,
+            self.plot,
+        ])
+        self.widget.add_class("nnvllm-patch")
+        if run_now:
+            self.sweep()
+
+    def _refresh_positions(self) -> None:
+        opts = token_options(self.model.tokenizer, self.clean.value)
+        self.positions.options = opts
+        self.positions.value = tuple(p for _, p in opts)
+
+    def sweep(self) -> None:
+        """Run the sweep with the current settings (the slow call); errors go to the error area."""
+        self.run_button.disabled = True
+        try:
+            self._guard(self._sweep, clear=True)
+        finally:
+            self.run_button.disabled = False
+
+    def _sweep(self) -> None:
+        positions = list(self.positions.value)
+        if not positions:
+            raise ValueError("no positions selected; choose at least one token in 'positions'.")
+        lo, hi = self.layers.value
+        layers = list(range(lo, hi + 1))
+        self.progress.max, self.progress.value = len(layers), 0
+        parts = []
+        for layer in layers:  # one call per layer: the bar moves, and each call is one engine trace
+            parts.append(patch(self.model, self.clean.value, self.corrupt.value, self.answer.value,
+                               self.wrong.value, layers=[layer], positions=positions,
+                               site=self.site.value, progress=False))
+            self.progress.value += 1
+        res = merge_patch_results(parts)
+        self.result = res
+        best_layer, best_pos, _ = res.best()
+        with self.cell_layer.hold_trait_notifications(), self.cell_pos.hold_trait_notifications():
+            self.cell_layer.options = res.layers
+            self.cell_layer.value = best_layer
+            self.cell_pos.options = [(f"{p} {lab!r}", p) for p, lab in zip(res.positions, res.labels)]
+            self.cell_pos.value = best_pos
+        self.redraw()
+
+    def effect_at(self, layer: int, pos: int) -> float:
+        """Return the normalized effect of patching block ``layer`` at position ``pos``."""
+        res = self.result
+        if res is None:
+            raise ValueError("no sweep yet; press 'Run sweep' (or call .sweep()) first.")
+        if layer not in res.layers or pos not in res.positions:
+            raise ValueError(f"(layer {layer}, pos {pos}) was not swept; layers {res.layers}, positions {res.positions}.")
+        return float(res.effect[res.layers.index(layer), res.positions.index(pos)])
+
+    def redraw(self) -> None:
+        """Redraw the heatmap with the chosen cell outlined, and the cell's numbers."""
+        res = self.result
+        if res is None:
+            return
+        layer, pos = self.cell_layer.value, self.cell_pos.value
+        j, p = res.layers.index(layer), res.positions.index(pos)
+        fig = _figure(max(6.0, 2.5 + 0.6 * len(res.positions)), max(3.0, 1.8 + 0.42 * len(res.layers)))
+        ax = fig.subplots()
+        res.plot(ax=ax)
+        ax.add_patch(_rect(p - 0.5, j - 0.5, 1.0, 1.0, lw=2.5))
+        self._show(self.plot, fig, f"<patching heatmap, cell layer {layer} pos {pos}>")
+        self.cell.value = (
+            f"patching {res.site} of layer {layer} at position {pos} ({_tok(res.labels[p])}): "
+            f"effect <b>{float(res.effect[j, p]):.3f}</b> (logit diff {float(res.patched_diff[j, p]):.3f}; "
+            f"clean {res.clean_diff:.3f}, corrupt {res.corrupt_diff:.3f}; 1 = clean answer "
+            f"{_tok(res.answer)} restored, 0 = no change)"
+        )
+
+
+class CompareView(_Explorer):
+    """Compare two of several runs of the same prompts: per-layer error, per-position detail, summary.
+
+    Controls: ``a`` and ``b`` (Dropdowns of the run names; ``a`` is the reference), ``metric``
+    (max_abs, rel_err, cosine) and ``layer`` (SelectionSlider of captured blocks, class
+    ``nnvllm-layer``). Comparing runs is pure and quick, so every change recomputes at once.
+    Views: ``plot`` (Output, class ``nnvllm-plot``), ``summary`` and ``table`` (HTML).
+    State: ``discrepancy`` (:class:`~nnvllm.compare.Discrepancy`), ``png``, ``last_error``.
+
+    Example::
+
+        view = CompareView({"transformers": ref, "vllm": run, "vllm bf16": run16})
+        view.b.value = "vllm bf16"; view.discrepancy.summary()
+    """
+
+    def __init__(self, runs: dict[str, Run], a: str | None = None, b: str | None = None,
+                 metric: str = "rel_err") -> None:
+        super().__init__()
+        if not isinstance(runs, dict) or not runs or not all(isinstance(r, Run) for r in runs.values()):
+            raise TypeError(
+                "CompareView takes a non-empty dict {name: Run}, e.g. {'transformers': ref, 'vllm': run}; "
+                f"got {type(runs).__name__}."
+            )
+        if metric not in _METRICS:
+            raise ValueError(f"metric={metric!r} is not one of {_METRICS}.")
+        names = list(runs)
+        self.runs = runs
+        self.discrepancy: Discrepancy | None = None
+        self.a = W.Dropdown(options=names, value=a or names[0], description="reference")
+        self.b = W.Dropdown(options=names, value=b or names[min(1, len(names) - 1)], description="under test")
+        self.metric = W.Dropdown(options=list(_METRICS), value=metric, description="metric")
+        layers = list(runs[self.a.value].layers) or [0]
+        self.layer = W.SelectionSlider(options=layers, value=layers[0], description="layer",
+                                       continuous_update=False)
+        self.layer.add_class("nnvllm-layer")
+        self.plot = W.Output()
+        self.plot.add_class("nnvllm-plot")
+        self.summary = W.HTML()
+        self.table = W.HTML()
+        for w in (self.a, self.b):
+            w.observe(lambda _: self._guard(self.recompute, clear=True), names="value")
+        for w in (self.metric, self.layer):
+            w.observe(lambda _: self._guard(self.redraw), names="value")
+        self.widget = W.VBox([
+            W.HBox([self.a, self.b]),
+            W.HBox([self.metric, self.layer]),
+            self.error,
+            W.HBox([self.plot, self.summary]),
+            self.table,
+        ])
+        self.widget.add_class("nnvllm-compare")
+        self._guard(self.recompute, clear=True)
+
+    def recompute(self) -> None:
+        """Compare the two chosen runs, then redraw."""
+        self.discrepancy = None
+        a, b = self.a.value, self.b.value
+        d = compare(self.runs[a], self.runs[b], names=(a, b))
+        self.discrepancy = d
+        layers = list(self.runs[a].layers) or [0]
+        if list(self.layer.options) != layers:
+            with self.layer.hold_trait_notifications():
+                self.layer.options = layers
+                self.layer.value = layers[0]
+        self.summary.value = summary_html(d)
+        self.redraw()
+
+    def redraw(self) -> None:
+        """Draw the chosen metric per layer (chosen layer marked) and per position at that layer."""
+        d = self.discrepancy
+        if d is None:
+            return
+        metric, layer = self.metric.value, self.layer.value
+        fig = _figure(10.0, 3.4)
+        ax_l, ax_p = fig.subplots(1, 2)
+        if len(d.resid) == 0:
+            ax_l.text(0.5, 0.5, "no residual stream compared", ha="center", transform=ax_l.transAxes)
+            self.table.value = ""
+        else:
+            per_layer = d.per_layer(metric)
+            table = per_position(d, metric, layer)
+            _draw_metric(ax_l, per_layer.index.to_numpy(), per_layer.to_numpy(dtype=float), metric, "o-")
+            ax_l.axvline(layer, color=_HIGHLIGHT, lw=2)
+            ax_l.set_xlabel("layer")
+            ax_l.set_title(f"worst {metric} per layer ({d.names[0]} vs {d.names[1]})", fontsize=9)
+            worst = table.min(axis=0) if metric == "cosine" else table.max(axis=0)
+            _draw_metric(ax_p, worst.index.to_numpy(), worst.to_numpy(dtype=float), metric, "s-")
+            ax_p.set_xlabel("position")
+            ax_p.set_title(f"layer {layer}: worst {metric} per position over requests", fontsize=9)
+            self.table.value = (
+                f"<b>{html.escape(metric)} at layer {layer}</b> (rows: request, columns: position)"
+                + table.to_html(float_format="{:.3g}".format, classes="nnvllm-table")
+            )
+        fig.tight_layout()
+        self._show(self.plot, fig, f"<{metric} per layer, layer {layer}>")
+
+
+def _draw_metric(ax, x, y, metric: str, style: str) -> None:
+    import numpy as np
+
+    if metric == "cosine":  # 1 - cosine on a log axis: how far from parallel
+        y, label = 1.0 - y, "1 - cosine"
+    else:
+        label = metric
+    ax.plot(x, np.clip(y, 1e-16, None), style)
+    ax.set_yscale("log")
+    ax.set_ylabel(label + " (log)")
+    ax.set_xticks(x)
