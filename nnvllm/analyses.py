@@ -32,8 +32,7 @@ def unembedding(model) -> Unembed:
     first = parts[0]
     weight = torch.cat([p["weight"] for p in parts]) if len(parts) > 1 else first["weight"]
     bias = None if first["bias"] is None else torch.cat([p["bias"] for p in parts])
-    if weight.shape[0] > len(model.tokenizer) and weight.shape[0] != model.llm.llm_engine.model_config.get_vocab_size():
-        weight = weight[: model.llm.llm_engine.model_config.get_vocab_size()]
+    weight = weight[: model.llm.llm_engine.model_config.get_vocab_size()]  # no padding rows
     u = Unembed(norm=Norm(first["kind"], first["norm_weight"], first["norm_bias"], first["eps"]),
                 weight=weight, bias=bias)
     model.__dict__["_nnvllm_unembed"] = u
