@@ -530,6 +530,7 @@ class PatchExplorer(_Explorer):
         super().__init__()
         self.model = model
         self.result: PatchResult | None = None
+        self._drawing = True
         n = model.n_layers
         text = dict(continuous_update=False, layout=W.Layout(width="360px"))
         self.clean = W.Text(value=clean, description="clean", **text)
@@ -595,11 +596,11 @@ class PatchExplorer(_Explorer):
         res = merge_patch_results(parts)
         self.result = res
         best_layer, best_pos, _ = res.best()
-        with self.cell_layer.hold_trait_notifications(), self.cell_pos.hold_trait_notifications():
-            self.cell_layer.options = res.layers
-            self.cell_layer.value = best_layer
-            self.cell_pos.options = [(f"{p} {lab!r}", p) for p, lab in zip(res.positions, res.labels)]
-            self.cell_pos.value = best_pos
+        self._drawing = False  # options first, then values: the observers redraw once at the end
+        self.cell_layer.options = res.layers
+        self.cell_pos.options = [(f"{p} {lab!r}", p) for p, lab in zip(res.positions, res.labels)]
+        self.cell_layer.value, self.cell_pos.value = best_layer, best_pos
+        self._drawing = True
         self.redraw()
 
     def effect_at(self, layer: int, pos: int) -> float:
@@ -614,7 +615,7 @@ class PatchExplorer(_Explorer):
     def redraw(self) -> None:
         """Redraw the heatmap with the chosen cell outlined, and the cell's numbers."""
         res = self.result
-        if res is None:
+        if res is None or not self._drawing:
             return
         layer, pos = self.cell_layer.value, self.cell_pos.value
         j, p = res.layers.index(layer), res.positions.index(pos)
@@ -692,9 +693,7 @@ class CompareView(_Explorer):
         self.discrepancy = d
         layers = list(self.runs[a].layers) or [0]
         if list(self.layer.options) != layers:
-            with self.layer.hold_trait_notifications():
-                self.layer.options = layers
-                self.layer.value = layers[0]
+            self.layer.options = layers  # observers redraw; harmless, the discrepancy is set
         self.summary.value = summary_html(d)
         self.redraw()
 
@@ -722,7 +721,8 @@ class CompareView(_Explorer):
             ax_p.set_title(f"layer {layer}: worst {metric} per position over requests", fontsize=9)
             self.table.value = (
                 f"<b>{html.escape(metric)} at layer {layer}</b> (rows: request, columns: position)"
-                + table.to_html(float_format="{:.3g}".format, classes="nnvllm-table")
+                + table.to_html(float_format=("{:.9f}" if metric == "cosine" else "{:.3g}").format,
+                                classes="nnvllm-table")
             )
         fig.tight_layout()
         self._show(self.plot, fig, f"<{metric} per layer, layer {layer}>")

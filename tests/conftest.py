@@ -52,11 +52,21 @@ def tiny_paths(tmp_path_factory) -> dict[str, str]:
     return {k: tiny_checkpoint(k, root / k) for k in ("gpt2", "llama")}
 
 
+def engine_kwargs(tp: int = 1, **kw) -> dict:
+    """Engine arguments for fidelity tests: fp32 everywhere (vLLM runs fp32 checkpoints in half
+    precision by default), and on a GPU a small memory share so engines load one after another."""
+    import torch
+
+    d = {"tensor_parallel_size": tp, "dtype": "float32"}
+    if torch.cuda.is_available():
+        d["gpu_memory_utilization"] = 0.3
+    return {**d, **kw}
+
+
 def _engine(path, tp):
     import nnvllm as nv
 
-    model = nv.load(path, tensor_parallel_size=tp)
-    return model
+    return nv.load(path, **engine_kwargs(tp))
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,13 @@ import pytest
 import torch
 
 import nnvllm as nv
+from conftest import engine_kwargs
 from test_analyses import _hf_lens_probs, _hf_patched_diff
 
 
 @pytest.fixture(scope="module")
 def llama(tiny_paths, tp):
-    model = nv.load(tiny_paths["llama"], tensor_parallel_size=tp)
+    model = nv.load(tiny_paths["llama"], **engine_kwargs(tp))
     yield tiny_paths["llama"], model
     model.close()
 
@@ -43,7 +44,7 @@ def test_compare_bf16_engine_with_fp32_reference(llama):
     prompts = ["The capital of France is", "Paris is the capital of"]
     fp32 = nv.generate(model, prompts, max_tokens=4, ignore_eos=True)
     model.close()
-    bf16_model = nv.load(path, dtype="bfloat16")
+    bf16_model = nv.load(path, **engine_kwargs(dtype="bfloat16"))
     try:
         bf16 = nv.generate(bf16_model, prompts, max_tokens=4, ignore_eos=True)
     finally:

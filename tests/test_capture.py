@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import nnvllm as nv
+from conftest import engine_kwargs
 
 PROMPTS = ["The capital of France is", "The Eiffel Tower is in the city of", "Paris is"]
 SITES = ("attn", "mlp", "mlp_in", "mlp_act")
@@ -16,7 +17,7 @@ TOL = 1e-3
 @pytest.fixture(scope="module", params=["toy", "gpt2", "llama"])
 def engine(request, toy_path, tiny_paths, tp):
     path = toy_path if request.param == "toy" else tiny_paths[request.param]
-    model = nv.load(path, tensor_parallel_size=tp)
+    model = nv.load(path, **engine_kwargs(tp))
     yield path, model
     model.close()
 
