@@ -500,8 +500,9 @@ class SamplesExplorer(_Explorer):
         )
         self.text.value = f"<div style='white-space:pre-wrap'>{html.escape(run.prompts[0])}{pieces}</div>"
         frame = run.to_frame()
-        frame.insert(3, "token", [tok.decode([int(t)]) for t in frame["token_id"]])
-        frame["top1"] = [tok.decode([int(t)]) for t in frame["top1_id"]]
+        # repr: a table cell would drop a token's leading space
+        frame.insert(3, "token", [repr(tok.decode([int(t)])) for t in frame["token_id"]])
+        frame["top1"] = [repr(tok.decode([int(t)])) for t in frame["top1_id"]]
         self.table.value = frame[["step", "token", "prob", "top1", "top1_prob"]].to_html(
             index=False, float_format="{:.3f}".format, classes="nnvllm-table")
 

@@ -25,7 +25,7 @@ def test_max_token_generation_yields_one_logits_row_per_token(toy):
         for _ in tracer.iter[:]:
             logits.append(toy.logits.clone())
     assert len(logits) == 10
-    assert (torch.stack([x[0] for x in logits]) - run.logits[0]).abs().max() < 1e-4
+    assert (torch.stack([x[0].cpu() for x in logits]) - run.logits[0]).abs().max() < 1e-4
 
 
 def test_sampling_exposes_the_sampled_tokens(toy):
@@ -50,6 +50,7 @@ def test_sampling_exposes_the_sampled_tokens(toy):
 def test_multiply_referenced_module_gives_each_block_its_own_value(toy, toy_path):
     with toy.trace(PROMPT, temperature=0.0, max_tokens=1):
         acts = torch.stack([toy.transformer.h[i].mlp.act.output.clone() for i in range(3)]).save()
+    acts = acts.cpu()  # a trace's saves stay on the engine's device
     hf, tok = load_reference(toy_path)
     ref = {}
     hooks = [hf.transformer.h[i].mlp.c_proj.register_forward_pre_hook(
@@ -96,6 +97,7 @@ def test_column_parallel_intervention_covers_full_width_and_changes_the_token(to
         out[:, cols[0]:cols[1]] = 0
         saved = out.clone().save()
         patched = toy.logits.clone().save()
+    saved, patched = saved.cpu(), patched.cpu()
     n = len(toy.tokenizer.encode(PROMPT))
     assert saved.shape == (n, 4 * d)  # the full gathered width, whatever the TP size
     assert saved[:, cols[0]:cols[1]].abs().max() == 0
