@@ -4,6 +4,7 @@ Each explorer owns its controls and its state; slow calls (anything that runs th
 behind a button, views that only re-read a result (choosing a layer, a step, a cell) redraw at
 once without the engine. An exception from a callback is shown in the widget's error area
 (``.error``, CSS class ``nnvllm-error``) and kept in ``.last_error``; the widget keeps working.
+What the engine prints while it runs (vLLM's progress bars) goes to a folded "engine log" (``.log``).
 
 Everything a test needs is state: set a control's ``.value``, call ``.run_button.click()``, read
 the result attributes (``lens``, ``result``, ``run``, ``discrepancy``), the table HTML
@@ -275,6 +276,21 @@ class _Explorer:
         self.last_error: BaseException | None = None
         self.png: bytes | None = None  # the last image drawn into .plot
         self.draws = 0
+        # The engine's own progress bars and warnings land here, folded away, not in the page.
+        self.log = W.Output()
+        self.log_box = W.Accordion(children=[self.log], titles=("engine log",), selected_index=None)
+
+    def _quiet(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call ``fn`` with its printed output captured in ``.log`` (in a kernel); return its result."""
+        box: dict[str, Any] = {}
+        with self.log:  # in IPython, Output.__exit__ swallows exceptions: carry them out by hand
+            try:
+                box["value"] = fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001
+                box["error"] = e
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def _guard(self, fn: Callable[..., Any], *args: Any, clear: bool = False) -> bool:
         """Run a callback; show an exception in the error area instead of losing it."""
@@ -360,6 +376,7 @@ class LensExplorer(_Explorer):
             self.status,
             self.error,
             W.HBox([self.plot, self.table]),
+            self.log_box,
         ])
         self.widget.add_class("nnvllm-lens")
         if run_now:
@@ -374,8 +391,8 @@ class LensExplorer(_Explorer):
             self.run_button.disabled = False
 
     def _run(self) -> None:
-        lens = logit_lens(self.model, self.prompt.value, max_tokens=int(self.max_tokens.value),
-                          top_k=LENS_TOP_K)
+        lens = self._quiet(logit_lens, self.model, self.prompt.value, max_tokens=int(self.max_tokens.value),
+                           top_k=LENS_TOP_K)
         self.lens = lens
         with self.step.hold_trait_notifications(), self.layer.hold_trait_notifications():
             self.layer.max = len(lens.layers) - 1
@@ -468,6 +485,7 @@ class SamplesExplorer(_Explorer):
             self.error,
             self.text,
             W.HBox([self.plot, self.table]),
+            self.log_box,
         ])
         self.widget.add_class("nnvllm-samples")
         if run_now:
@@ -484,9 +502,9 @@ class SamplesExplorer(_Explorer):
     def _sample(self) -> None:
         from .plotting import plot_samples
 
-        run = generate(self.model, self.prompt.value, max_tokens=int(self.max_tokens.value),
-                       temperature=float(self.temperature.value), top_p=float(self.top_p.value),
-                       seed=int(self.seed.value), layers=None, logits=False)
+        run = self._quiet(generate, self.model, self.prompt.value, max_tokens=int(self.max_tokens.value),
+                          temperature=float(self.temperature.value), top_p=float(self.top_p.value),
+                          seed=int(self.seed.value), layers=None, logits=False)
         self.run = run
         tok = self.model.tokenizer
         s = run.samples[0]
@@ -563,6 +581,7 @@ class PatchExplorer(_Explorer):
             W.HBox([self.cell_layer, self.cell_pos]),
             self.cell,
             self.plot,
+            self.log_box,
         ])
         self.widget.add_class("nnvllm-patch")
         if run_now:
@@ -590,9 +609,9 @@ class PatchExplorer(_Explorer):
         self.progress.max, self.progress.value = len(layers), 0
         parts = []
         for layer in layers:  # one call per layer: the bar moves, and each call is one engine trace
-            parts.append(patch(self.model, self.clean.value, self.corrupt.value, self.answer.value,
-                               self.wrong.value, layers=[layer], positions=positions,
-                               site=self.site.value, progress=False))
+            parts.append(self._quiet(patch, self.model, self.clean.value, self.corrupt.value, self.answer.value,
+                                     self.wrong.value, layers=[layer], positions=positions,
+                                     site=self.site.value, progress=False))
             self.progress.value += 1
         res = merge_patch_results(parts)
         self.result = res

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import nnvllm as nv
 from conftest import engine_kwargs

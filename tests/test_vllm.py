@@ -47,7 +47,7 @@ def test_sampling_exposes_the_sampled_tokens(toy):
     assert [int(s.flatten()[0]) for s in samples] == list(result.outputs[0].token_ids)
 
 
-def test_multiply_referenced_module_gives_each_block_its_own_value(toy, toy_path):
+def test_multiply_referenced_module_gives_each_block_its_own_value(toy, toy_path, tp):
     with toy.trace(PROMPT, temperature=0.0, max_tokens=1):
         acts = torch.stack([toy.transformer.h[i].mlp.act.output.clone() for i in range(3)]).save()
     acts = acts.cpu()  # a trace's saves stay on the engine's device

@@ -1,0 +1,284 @@
+"""Widgets, tested through their state: set a control's ``.value``, click a button, read the result.
+
+The pure helpers run on synthetic tensors; the explorers run on the real toy engine (module-scoped
+``toy`` fixture). The one real-browser check of a widget is tests/test_browser.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nnvllm as nv
+from nnvllm.lens import Lens, Norm, Unembed
+from nnvllm.patching import PatchResult, normalized_effect
+from nnvllm.widgets import (
+    CompareView,
+    LensExplorer,
+    PatchExplorer,
+    SamplesExplorer,
+    error_html,
+    lens_rows,
+    lens_table_html,
+    merge_patch_results,
+    per_position,
+    step_position,
+    summary_html,
+    token_options,
+)
+
+CLEAN, CORRUPT = "The capital of France is", "The capital of Italy is"
+
+
+# --- pure helpers ------------------------------------------------------------------------------
+
+
+class WordTokenizer:
+    """Tokenizer stand-in: id t <-> WORDS[t]; encode splits on spaces, keeping the leading space."""
+
+    WORDS = ["The", " capital", " of", " France", " is", " Paris", ".", " Rome", "<b>&"]
+
+    def encode(self, s, add_special_tokens=True):
+        out, word = [], ""
+        for c in s:
+            if c == " " and word:
+                out.append(self.WORDS.index(word))
+                word = ""
+            word += c
+        return out + ([self.WORDS.index(word)] if word else [])
+
+    def decode(self, ids):
+        return "".join(self.WORDS[int(t)] for t in ids)
+
+
+def make_lens(n_layer=3, prompt_len=5, generated=(5, 6), k=4) -> Lens:
+    tok = WordTokenizer()
+    seq = [0, 1, 2, 3, 4][:prompt_len] + list(generated[:-1])
+    n_pos, d_model, d_vocab = len(seq), 4, len(tok.WORDS)
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(n_layer, n_pos, d_vocab, generator=g).softmax(-1)
+    top_probs, top_ids = probs.topk(k, dim=-1)
+    top_ids[-1, prompt_len - 1, 0] = 5  # the last layer says " Paris" after " is"
+    top_ids[0, 0, 1] = 8  # a token that needs escaping
+    unembed = Unembed(Norm("rmsnorm", torch.ones(d_model)), torch.randn(d_vocab, d_model, generator=g))
+    return Lens(top_ids=top_ids, top_probs=top_probs, layers=list(range(n_layer)),
+                labels=[tok.decode([t]) for t in seq], prompt_len=prompt_len,
+                resid=torch.randn(n_layer, n_pos, d_model, generator=g), unembed=unembed, tokenizer=tok,
+                generated=list(generated))
+
+
+def test_step_position():
+    lens = make_lens()
+    assert step_position(lens, 0) == 4 and step_position(lens, 1) == 5
+    with pytest.raises(ValueError, match="step=2 out of range for a lens of 2 generated tokens"):
+        step_position(lens, 2)
+
+
+def test_lens_rows_and_table_html():
+    lens = make_lens()
+    rows = lens_rows(lens, -1, k=3)
+    assert [r["pos"] for r in rows] == list(range(6))
+    assert rows[4]["input"] == " is" and rows[4]["top"][0][0] == " Paris"
+    assert [r["generated"] for r in rows] == [False] * 5 + [True]
+    assert len(rows[0]["top"]) == 3 and lens_rows(lens, 0, k=99)[0]["top"].__len__() == 4  # capped at k
+    html = lens_table_html(lens, 2, k=3, highlight_pos=4)
+    assert "layer 2: top-3" in html
+    row4 = html.split("data-pos='4'")[1].split("</tr>")[0]
+    assert "background" in row4 and "<code style='white-space:pre'> Paris</code>" in row4
+    assert html.count("<tr data-pos=") == 6 and html.count("<th>top ") == 3
+    assert "&lt;b&gt;&amp;" in lens_table_html(lens, 0, k=2) and "<b>&" not in lens_table_html(lens, 0, k=2)
+    with pytest.raises(ValueError, match="layer_index=3 out of range for a lens of 3 layers"):
+        lens_rows(lens, 3)
+    with pytest.raises(ValueError, match="k=0 must be a positive int"):
+        lens_rows(lens, 0, k=0)
+
+
+def test_token_options():
+    assert token_options(WordTokenizer(), CLEAN) == [
+        ("0: 'The'", 0), ("1: ' capital'", 1), ("2: ' of'", 2), ("3: ' France'", 3), ("4: ' is'", 4)]
+
+
+def _part(layers, diff, clean=2.0, corrupt=-1.0, positions=(3, 4)):
+    diff = torch.tensor(diff, dtype=torch.float32)
+    return PatchResult(normalized_effect(diff, clean, corrupt), diff, clean, corrupt, list(layers),
+                       list(positions), [" France", " is"][: len(positions)], "resid", " Paris", " Rome")
+
+
+def test_merge_patch_results():
+    merged = merge_patch_results([_part([0], [[2.0, -1.0]]), _part([1, 2], [[0.5, 2.0], [-1.0, 2.0]])])
+    assert merged.layers == [0, 1, 2] and merged.positions == [3, 4]
+    assert torch.allclose(merged.effect, torch.tensor([[1.0, 0.0], [0.5, 1.0], [0.0, 1.0]]))
+    assert merged.best() == (0, 3, 1.0)
+    with pytest.raises(ValueError, match="same positions"):
+        merge_patch_results([_part([0], [[1.0, 1.0]]), _part([1], [[1.0]], positions=(4,))])
+    with pytest.raises(ValueError, match="at least one"):
+        merge_patch_results([])
+
+
+def _run(perturb=0.0, prompts=("a", "b")):
+    g = torch.Generator().manual_seed(0)
+    resid = [torch.randn(2, 4, 8, generator=g) for _ in prompts]
+    if perturb:
+        resid = [r.clone() for r in resid]
+        resid[0][1, 2] += perturb
+    s = nv.Samples(torch.tensor([1, 2]), torch.ones(2), torch.tensor([[1], [2]]), torch.ones(2, 1))
+    return nv.Run(prompts=list(prompts), prompt_ids=[[0, 1, 2]] * len(prompts), tokens=[[1, 2]] * len(prompts),
+                  text=["x"] * len(prompts), logits=[torch.zeros(2, 5)] * len(prompts), samples=[s] * len(prompts),
+                  resid=resid, layers=[0, 1])
+
+
+def test_per_position_and_summary_html():
+    d = nv.compare(_run(), _run(perturb=1.0), names=("ref", "<test>"))
+    table = per_position(d, "max_abs", 1)
+    assert list(table.index) == [0, 1] and list(table.columns) == [0, 1, 2, 3]
+    assert table.loc[0, 2] == pytest.approx(1.0) and table.loc[1].max() == 0.0
+    html = summary_html(d)
+    assert "ref vs &lt;test&gt;" in html and "token_agreement" in html
+    with pytest.raises(ValueError, match="metric='kl'"):
+        per_position(d, "kl", 0)
+
+
+def test_error_html_escapes_and_keeps_traceback():
+    try:
+        raise ValueError("layer=40 out of range <for> a 12-layer model")
+    except ValueError as e:
+        out = error_html(e)
+    assert "ValueError: layer=40 out of range &lt;for&gt; a 12-layer model" in out
+    assert "<details>" in out and "test_error_html_escapes_and_keeps_traceback" in out
+
+
+def test_compare_view_on_synthetic_runs():
+    view = CompareView({"ref": _run(), "perturbed": _run(perturb=1.0), "other prompts": _run(prompts=("c", "d"))})
+    assert view.last_error is None and view.discrepancy.summary()["max_abs"] == pytest.approx(1.0)
+    assert view.layer.value == 0 and view.widget._dom_classes == ("nnvllm-compare",)
+    first = view.png
+    view.layer.value = 1
+    assert view.png != first and "rel_err at layer 1" in view.table.value
+    view.metric.value = "cosine"
+    assert "cosine at layer 1" in view.table.value
+    view.b.value = "other prompts"  # an error, shown in the widget, not raised
+    assert "same prompts" in view.error.value and isinstance(view.last_error, ValueError)
+    assert view.discrepancy is None
+    view.b.value = "perturbed"  # recovers
+    assert view.error.value == "" and view.last_error is None and view.discrepancy is not None
+    with pytest.raises(TypeError, match="dict"):
+        CompareView([_run()])
+
+
+def test_only_widgets_imports_ipywidgets():
+    code = ("import sys, nnvllm, nnvllm.lens, nnvllm.patching, nnvllm.compare, nnvllm.plotting, nnvllm.analyses;"
+            "assert 'ipywidgets' not in sys.modules, 'ipywidgets imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- explorers on the toy engine ----------------------------------------------------------------
+
+
+def test_lens_explorer(toy):
+    ex = LensExplorer(toy, CLEAN, max_tokens=5)
+    assert ex.last_error is None and ex.lens is not None
+    assert ex.widget._dom_classes == ("nnvllm-lens",)
+    assert ex.layer._dom_classes == ("nnvllm-layer",) and ex.plot._dom_classes == ("nnvllm-plot",)
+    assert ex.layer.value == 0 and ex.layer.max == toy.n_layers - 1  # starts at the bottom, not the max
+    assert not ex.layer.continuous_update and ex.draws == 1
+    assert ex.plot.outputs[0]["data"]["image/png"] and ex.png.startswith(b"\x89PNG")
+    assert ex.step.max == len(ex.lens.generated) - 1
+
+    before = ex.png
+    ex.layer.value = toy.n_layers - 1  # redraws in place, no engine call
+    assert ex.png != before and ex.draws == 2
+    last_prompt_pos = ex.lens.prompt_len - 1
+    row = ex.table.value.split(f"data-pos='{last_prompt_pos}'")[1].split("</tr>")[0]
+    first_cell = row.split("<td style='padding:0 6px'>")[1]
+    assert first_cell.startswith("<code style='white-space:pre'> Paris</code>")
+    assert f"at layer {toy.n_layers - 1}" in ex.status.value and " Paris" in ex.status.value
+
+    ex.top_k.value = 2
+    assert ex.table.value.count("<th>top ") == 2 and ex.draws == 2  # table only
+    ex.step.value = 1
+    assert ex.position == last_prompt_pos + 1 and ex.draws == 3
+
+    ex.prompt.value = ""  # a bad prompt: the error shows in the widget, the old lens stays
+    ex.run_button.click()
+    assert "prompt cannot be empty" in ex.error.value and ex.last_error is not None
+    assert ex.lens.labels[3] == " France" and not ex.run_button.disabled
+
+    ex.prompt.value = CORRUPT  # and the widget still works
+    ex.run_button.click()
+    assert ex.error.value == "" and ex.last_error is None
+    assert ex.lens.labels[3] == " Italy" and ex.lens.top_tokens(-1)[ex.lens.prompt_len - 1] == " Rome"
+
+
+def test_patch_explorer(toy):
+    ex = PatchExplorer(toy, CLEAN, CORRUPT, " Paris", " Rome")
+    assert ex.result is None and ex.widget._dom_classes == ("nnvllm-patch",)
+    assert ex.positions.value == (0, 1, 2, 3, 4) and ex.layers.value == (0, toy.n_layers - 1)
+    ex.run_button.click()
+    assert ex.last_error is None, ex.error.value
+    assert (ex.progress.value, ex.progress.max) == (toy.n_layers, toy.n_layers)
+    res = ex.result
+    assert res.layers == list(range(toy.n_layers)) and res.positions == [0, 1, 2, 3, 4]
+    assert ex.effect_at(toy.n_layers - 1, 4) == pytest.approx(1.0, abs=1e-4)  # last block, last pos: all of it
+    assert ex.effect_at(0, 3) > 0.5  # the subject " France" carries the fact at layer 0
+    assert res.effect[:, :3].abs().max() < 1e-4  # positions before the subject are the same tokens
+    assert (ex.cell_layer.value, ex.cell_pos.value) == res.best()[:2]
+    before = ex.png
+    ex.cell_layer.value, ex.cell_pos.value = 0, 3
+    assert ex.png != before and "layer 0 at position 3" in ex.cell.value
+
+    ex.answer.value = "Paris France"  # two tokens: error in the widget, result kept
+    ex.run_button.click()
+    assert "2 tokens" in ex.error.value and ex.result is res
+
+    ex.answer.value = " Paris"
+    ex.site.value = "mlp"
+    ex.layers.value = (0, 1)
+    ex.positions.value = (3, 4)
+    ex.run_button.click()
+    assert ex.error.value == "" and ex.result.site == "mlp"
+    assert ex.result.layers == [0, 1] and ex.result.positions == [3, 4]
+    assert ex.progress.value == ex.progress.max == 2
+
+    ex.clean.value = "The capital of Spain is"  # positions follow the clean prompt's tokens
+    assert ex.positions.options[3] == ("3: ' Spain'", 3)
+
+
+def test_samples_explorer(toy):
+    ex = SamplesExplorer(toy, CLEAN, max_tokens=4, temperature=0.0)
+    assert ex.last_error is None and ex.widget._dom_classes == ("nnvllm-samples",)
+    s = ex.run.samples[0]
+    assert torch.equal(s.ids, s.top_ids[:, 0])  # greedy: the top token every step
+    assert "> Paris</span>" in ex.text.value and "<td>' Paris'</td>" in ex.table.value
+
+    ex.temperature.value, ex.top_p.value, ex.seed.value = 1.5, 1.0, 3
+    ex.prompt.value = "The"
+    ex.max_tokens.value = 8
+    ex.run_button.click()
+    first = ex.run.tokens
+    ex.run_button.click()
+    assert ex.run.tokens == first and ex.run.sampling["temperature"] == 1.5  # a seed reproduces the draw
+
+    before = ex.png
+    ex.top_p.value = 0.05  # a tiny nucleus: every drawn token still has probability > 0 in it
+    ex.run_button.click()
+    assert ex.run.sampling["top_p"] == 0.05 and bool((ex.run.samples[0].probs > 0).all())
+    assert ex.png != before
+
+    ex.prompt.value = ""
+    ex.run_button.click()
+    assert "prompt" in ex.error.value and ex.run.prompts == ["The"]
+
+
+def test_compare_view_vllm_vs_transformers(toy, toy_path):
+    prompts = [CLEAN, "The Colosseum is in the city of"]
+    run = nv.generate(toy, prompts, max_tokens=4)
+    ref = nv.reference(toy_path, prompts, tokens=run.tokens)
+    view = CompareView({"transformers": ref, "vllm": run}, metric="rel_err")
+    s = view.discrepancy.summary()
+    assert view.last_error is None and s["token_agreement"] == 1.0 and s["max_rel_err"] < 1e-4
+    assert "transformers vs vllm" in view.summary.value
+    view.layer.value = 3
+    assert "rel_err at layer 3" in view.table.value
