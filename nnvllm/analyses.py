@@ -101,6 +101,7 @@ def patch(
     layers="all",
     positions="all",
     site: str = "resid",
+    step: int = 0,
     progress: bool = True,
 ) -> PatchResult:
     """Patch clean activations into the corrupt run, one (layer, position) at a time.
@@ -120,6 +121,10 @@ def patch(
         layers: "all", an int or a list of blocks (negative counts from the end).
         positions: "all", an int or a list of prompt positions.
         site: "resid" (block output), "attn" or "mlp" output.
+        step: 0 patches prompt positions and measures the first generated token. ``step=s > 0``
+            patches a generated step instead: both prompts generate greedily, the value at the
+            position fed at decode step ``s`` (the clean run's) is written into the corrupt run at
+            that step, and the logits of step ``s`` are measured; ``positions`` must stay "all".
         progress: show a progress bar while the patched passes run.
 
     Returns:
@@ -139,11 +144,22 @@ def patch(
             f"clean has {len(c_ids)} tokens and corrupt {len(x_ids)}; patching position by position "
             "needs prompts of the same length. Change a word of the same token length."
         ) from None
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"step={step!r}; expected an int >= 0 (0 = the prompt, s = generated step s)")
+    if step and positions != "all":
+        raise ValueError(
+            f"positions={positions!r} with step={step}: a generated step has one position (the token fed "
+            "at that step); leave positions='all'"
+        )
     L, P = plan(model.n_layers, len(c_ids), layers, positions)
-    base = generate(model, [clean, corrupt], max_tokens=1, layers=L, sites=() if site == "resid" else (site,))
+    if step:
+        P = [len(c_ids) - 1 + step]
+    base = generate(model, [clean, corrupt], max_tokens=step + 1, layers=L, ignore_eos=True,
+                    sites=() if site == "resid" else (site,))
     clean_acts = (base.resid if site == "resid" else base.sites[site])[0]
-    clean_diff = float(logit_diff(base.logits[0][0], a_id, w_id))
-    corrupt_diff = float(logit_diff(base.logits[1][0], a_id, w_id))
+    clean_diff = float(logit_diff(base.logits[0][step], a_id, w_id))
+    corrupt_diff = float(logit_diff(base.logits[1][step], a_id, w_id))
+    seq = base.sequence(0)
 
     cells = [(j, layer, p) for j, layer in enumerate(L) for p in P]
     llama_resid = site == "resid" and model.arch.family == "llama"
@@ -152,17 +168,19 @@ def patch(
     bar = tqdm(total=len(cells), desc="patching", disable=not progress, leave=False)
     for start in range(0, len(cells), chunk):
         part = cells[start : start + chunk]
-        with model.trace(temperature=0.0, max_tokens=1) as tracer:
+        with model.trace(temperature=0.0, max_tokens=step + 1, ignore_eos=True) as tracer:
             for k, (j, layer, p) in enumerate(part):
                 vec = clean_acts[j, p]
+                row = p if step == 0 else 0  # a decode step's slab holds one row: the fed token
                 with tracer.invoke(corrupt):
-                    out = _site_envoy(model, layer, site).output
-                    if llama_resid:  # (hidden, residual): make their sum the clean stream
-                        out[0][p] = vec
-                        out[1][p] = 0
-                    else:
-                        out[p] = vec
-                    pair = model.logits[0, [a_id, w_id]].save()
+                    for _ in tracer.iter[step : step + 1]:
+                        out = _site_envoy(model, layer, site).output
+                        if llama_resid:  # (hidden, residual): make their sum the clean stream
+                            out[0][row] = vec
+                            out[1][row] = 0
+                        else:
+                            out[row] = vec
+                        pair = model.logits[0, [a_id, w_id]].save()
         # A name saved in several invokes comes back as a list, in submission order.
         pairs = pair if len(part) > 1 else [pair]
         for k, v in enumerate(pairs):
@@ -177,8 +195,9 @@ def patch(
         corrupt_diff=corrupt_diff,
         layers=L,
         positions=P,
-        labels=[tok.decode([c_ids[p]]) for p in P],
+        labels=[tok.decode([seq[p]]) for p in P],
         site=site,
         answer=tok.decode([a_id]),
         wrong=tok.decode([w_id]),
+        step=step,
     )

@@ -148,3 +148,15 @@ def test_compare_clean_vs_corrupt_run_shows_the_fork_and_compares_only_shared_pr
     # only positions 0-2 ("The capital of") hold the same tokens; causal attention makes them equal
     assert sorted(d.resid["pos"].unique()) == [0, 1, 2]
     assert d.summary()["max_abs"] == 0.0
+
+
+def test_patch_a_generated_step_matches_transformers(toy, toy_path):
+    """step=1: the token fed at decode step 1 (" Paris" vs " Rome") is patched; step 1's logits measured."""
+    res = nv.patch(toy, CLEAN, CORRUPT, ".", " Paris", step=1, progress=False)
+    n = len(toy.tokenizer.encode(CLEAN))
+    assert res.positions == [n] and res.labels == [" Paris"] and res.step == 1
+    for layer in (0, 3, 5):
+        ref = _hf_patched_diff(toy_path, CLEAN + " Paris", CORRUPT + " Rome", layer, n, ".", " Paris")
+        assert abs(float(res.patched_diff[layer, 0]) - ref) < 1e-3, layer
+    with pytest.raises(ValueError, match="one position"):
+        nv.patch(toy, CLEAN, CORRUPT, ".", " Paris", step=1, positions=[2])
