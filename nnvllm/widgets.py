@@ -25,7 +25,8 @@ import base64
 import html
 import io
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import ipywidgets as W
 
@@ -36,19 +37,19 @@ from .patching import PatchResult, normalized_effect
 from .results import Run
 
 __all__ = [
+    "CompareView",
     "LensExplorer",
     "PatchExplorer",
     "SamplesExplorer",
-    "CompareView",
-    "lens_rows",
-    "lens_table_html",
-    "step_position",
-    "merge_patch_results",
-    "token_options",
-    "summary_html",
-    "per_position",
     "error_html",
     "figure_png",
+    "lens_rows",
+    "lens_table_html",
+    "merge_patch_results",
+    "per_position",
+    "step_position",
+    "summary_html",
+    "token_options",
 ]
 
 #: Top-k the lens is computed with; the widget's top-k slider shows up to this many.
@@ -147,7 +148,7 @@ def lens_table_html(lens, layer_index: int, k: int = 5, highlight_pos: int | Non
         if r["generated"]:
             style.append("font-style:italic")
         cells = "".join(
-            f"<td style='padding:0 6px'>{_tok(t)} <span style='color:#666'>{q:.2f}</span></td>"
+            f"<td style='padding:0 6px;white-space:nowrap'>{_tok(t)} <span style='color:#666'>{q:.2f}</span></td>"
             for t, q in r["top"]
         )
         out.append(
@@ -322,6 +323,12 @@ class _Explorer:
         return self.widget._repr_mimebundle_(**kwargs)
 
 
+def _side_by_side(plot: W.Output, other: W.Widget) -> W.HBox:
+    # The plot keeps its natural size; a wide table wraps below it instead of squeezing it.
+    plot.layout = W.Layout(flex="0 0 auto")
+    return W.HBox([plot, other], layout=W.Layout(flex_flow="row wrap", align_items="flex-start"))
+
+
 def _button(description: str, on_click: Callable[[], None]) -> W.Button:
     b = W.Button(description=description, button_style="primary")
     b.on_click(lambda _: on_click())
@@ -375,7 +382,7 @@ class LensExplorer(_Explorer):
             W.HBox([self.layer, self.step, self.top_k]),
             self.status,
             self.error,
-            W.HBox([self.plot, self.table]),
+            _side_by_side(self.plot, self.table),
             self.log_box,
         ])
         self.widget.add_class("nnvllm-lens")
@@ -484,7 +491,7 @@ class SamplesExplorer(_Explorer):
             W.HBox([self.temperature, self.top_p, self.seed]),
             self.error,
             self.text,
-            W.HBox([self.plot, self.table]),
+            _side_by_side(self.plot, self.table),
             self.log_box,
         ])
         self.widget.add_class("nnvllm-samples")
@@ -551,7 +558,7 @@ class PatchExplorer(_Explorer):
         self.result: PatchResult | None = None
         self._drawing = True
         n = model.n_layers
-        text = dict(continuous_update=False, layout=W.Layout(width="360px"))
+        text = {"continuous_update": False, "layout": W.Layout(width="360px")}
         self.clean = W.Text(value=clean, description="clean", **text)
         self.corrupt = W.Text(value=corrupt, description="corrupt", **text)
         self.answer = W.Text(value=answer, description="answer", placeholder="one token, e.g. ' Paris'",
@@ -699,7 +706,7 @@ class CompareView(_Explorer):
             W.HBox([self.a, self.b]),
             W.HBox([self.metric, self.layer]),
             self.error,
-            W.HBox([self.plot, self.summary]),
+            _side_by_side(self.plot, self.summary),
             self.table,
         ])
         self.widget.add_class("nnvllm-compare")

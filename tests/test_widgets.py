@@ -39,7 +39,7 @@ CLEAN, CORRUPT = "The capital of France is", "The capital of Italy is"
 class WordTokenizer:
     """Tokenizer stand-in: id t <-> WORDS[t]; encode splits on spaces, keeping the leading space."""
 
-    WORDS = ["The", " capital", " of", " France", " is", " Paris", ".", " Rome", "<b>&"]
+    WORDS = ("The", " capital", " of", " France", " is", " Paris", ".", " Rome", "<b>&")
 
     def encode(self, s, add_special_tokens=True):
         out, word = [], ""
@@ -192,7 +192,7 @@ def test_lens_explorer(toy):
     assert ex.png != before and ex.draws == 2
     last_prompt_pos = ex.lens.prompt_len - 1
     row = ex.table.value.split(f"data-pos='{last_prompt_pos}'")[1].split("</tr>")[0]
-    first_cell = row.split("<td style='padding:0 6px'>")[1]
+    first_cell = row.split("<td style='padding:0 6px;white-space:nowrap'>")[1]
     assert first_cell.startswith("<code style='white-space:pre'> Paris</code>")
     assert f"at layer {toy.n_layers - 1}" in ex.status.value and " Paris" in ex.status.value
 
