@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true", help="leave out nnsight on transformers")
+    ap.add_argument("--skip-invokes", action="store_true", help="leave out nnsight one-invoke-per-prompt (slow)")
     ap.add_argument("--out", type=str, default=None)
     args = ap.parse_args()
 
@@ -85,9 +86,10 @@ def main() -> None:
                     for _ in tracer.all():
                         steps.append(torch.stack([model.transformer.h[i].output.clone() for i in range(L)]))
 
-    results = _interleaved([("bare vLLM generate", bare), ("nv.generate, all layers", nv_all),
-                            ("nv.generate, 1 layer", nv_one), ("nnsight, one invoke per prompt", nnsight_invokes)],
-                           args.repeats)
+    cases = [("bare vLLM generate", bare), ("nv.generate, all layers", nv_all), ("nv.generate, 1 layer", nv_one)]
+    if not args.skip_invokes:
+        cases.append(("nnsight, one invoke per prompt", nnsight_invokes))
+    results = _interleaved(cases, args.repeats)
     model.close()
 
     if not args.skip_hf:
