@@ -7,12 +7,12 @@ one after the other, on the same model (the embedded toy model unless ``--model`
 
 - ``start``: seconds from ``nv.load(...)`` to a usable model (nnvllm, torch already imported; vLLM's
   own imports are part of it, as they are for a user).
-- ``first call``: the first ``nv.generate`` after start (warm-up costs land here).
+- ``first call``: the first ``nv.generate`` after start (warm-up lands here).
 - ``generate 1x1``: one prompt, one token, nothing captured: the fixed cost of a call.
 - ``generate 16x16 all layers``: 16 prompts x 16 tokens with every block's residual and the
   logits: what travels back grows with the capture.
-- ``trace 10 tokens``: ``with model.trace(prompt, max_tokens=10)`` saving the logits at each step (nnsight's path;
-  isolated, through the serve protocol over one kept-alive HTTP connection).
+- ``trace 10 tokens``: ``with model.trace(prompt, max_tokens=10)`` saving the logits at each step
+  (nnsight's path; isolated, through the serve protocol over one kept-alive HTTP connection).
 - ``engine RSS``: resident memory of the engine's process tree while loaded (in-process: this process).
 - ``RSS after close``: this process and its children after ``close()``.
 
@@ -72,7 +72,7 @@ def _one(kind: str, model_path: str | None, repeats: int) -> dict:
         out[name] = statistics.median(ts)
     out["engine RSS (MiB)"] = next(e.rss_mib for e in nv.engines())
     model.close()
-    del model
+    model = None
     gc.collect()
     time.sleep(0.5)
     out["RSS after close (MiB)"] = tree_rss()

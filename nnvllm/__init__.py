@@ -2,7 +2,8 @@
 
 The public verbs, one hop from here:
 
-- :func:`load` (``engine.py``) — a vLLM engine through nnsight, on GPU or CPU.
+- :func:`load` (``engine.py``) — a vLLM engine through nnsight, on GPU or CPU, in-process or isolated
+  in its own process (``isolated.py``, ``server.py``); :func:`engines` lists the live ones.
 - :func:`generate` (``capture.py``) — one generation: logits, samples, every layer's activations.
 - :func:`reference` (``reference.py``) — the same capture on plain transformers (ground truth).
 - :func:`logit_lens`, :func:`patch` (``analyses.py``; math in ``lens.py``, ``patching.py``).
@@ -18,9 +19,10 @@ from . import sampling, toy
 from .analyses import logit_lens, patch
 from .capture import generate
 from .compare import compare
-from .engine import load
+from .engine import engines, load
+from .isolated import EngineDied
 from .reference import reference
 from .results import Run, Samples
 
 __version__ = "0.1.0"
-__all__ = ["load", "generate", "reference", "logit_lens", "patch", "compare", "Run", "Samples", "sampling", "toy", "__version__"]
+__all__ = ["load", "engines", "EngineDied", "generate", "reference", "logit_lens", "patch", "compare", "Run", "Samples", "sampling", "toy", "__version__"]

@@ -6,7 +6,6 @@ The math lives in the pure modules (:mod:`nnvllm.lens`, :mod:`nnvllm.patching`,
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import torch
@@ -27,12 +26,14 @@ def unembedding(model) -> Unembed:
     cached = model.__dict__.get("_nnvllm_unembed")
     if cached is not None:
         return cached
-    parts = [pickle.loads(b) for b in model.llm.collective_rpc(
-        "nnvllm_unembed", args=(model.arch.final_norm, model.arch.unembed))]
+    from .capture import engine_of
+
+    engine = engine_of(model)  # in-process or isolated: each TP rank's norm + unembedding slice
+    parts = engine.unembed(model.arch.final_norm, model.arch.unembed)
     first = parts[0]
     weight = torch.cat([p["weight"] for p in parts]) if len(parts) > 1 else first["weight"]
     bias = None if first["bias"] is None else torch.cat([p["bias"] for p in parts])
-    weight = weight[: model.llm.llm_engine.model_config.get_vocab_size()]  # no padding rows
+    weight = weight[: engine.info()["vocab_size"]]  # no padding rows
     u = Unembed(norm=Norm(first["kind"], first["norm_weight"], first["norm_bias"], first["eps"]),
                 weight=weight, bias=bias)
     model.__dict__["_nnvllm_unembed"] = u
@@ -181,8 +182,15 @@ def patch(
                         else:
                             out[row] = vec
                         pair = model.logits[0, [a_id, w_id]].save()
-        # A name saved in several invokes comes back as a list, in submission order.
-        pairs = pair if len(part) > 1 else [pair]
+        # A name saved in several invokes comes back as a list in submission order (in-process, and
+        # from an isolated engine: nnvllm's server merges the same way); one invoke's is the value.
+        pairs = pair if isinstance(pair, list) else [pair]
+        if len(pairs) != len(part):  # e.g. a stock nnsight-serve engine keeps only the last invoke's
+            raise RuntimeError(
+                f"the engine returned {len(pairs)} saved value(s) for {len(part)} patched passes; it must "
+                "return one per invoke (nnvllm's engines do). Attach to an nnvllm server "
+                "(python -m nnvllm.server)."
+            )
         for k, v in enumerate(pairs):
             diffs[start + k] = float(v[0] - v[1])
         bar.update(len(part))

@@ -245,7 +245,8 @@ class InProcessEngine:
 
     def unembed(self, final_norm: str, unembed: str) -> list[dict]:
         """Each TP rank's final norm and unembedding slice (see ``CaptureWorker.nnvllm_unembed``)."""
-        return [pickle.loads(b) for b in self.llm.collective_rpc("nnvllm_unembed", args=(final_norm, unembed))]
+        parts = self.llm.collective_rpc("nnvllm_unembed", args=(final_norm, unembed))
+        return [pickle.loads(b) for b in parts]
 
     def info(self) -> dict:
         eng = self.llm.llm_engine

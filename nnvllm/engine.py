@@ -20,12 +20,14 @@ import gc
 import json
 import os
 import re
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .arch import Arch, arch_for, untie_shared_modules
 
-__all__ = ["load", "cpu_defaults", "has_cuda"]
+__all__ = ["load", "engines", "EngineInfo", "cpu_defaults", "has_cuda"]
 
 # Measured on the 2-core dev machine (see docs/engine.md): in-process engine starts in ~3 s
 # against ~17 s with vLLM's engine process; a 256 MiB KV cache holds 1,000s of toy tokens.
@@ -57,6 +59,9 @@ def _cpu_environment(tp: int) -> None:
     # vLLM reads these when the engine is built, not at import: set them here, never at import.
     if tp == 1:
         # In-process engine: ~3 s start instead of ~17 s, one process, no __main__ guard needed.
+        # (An AsyncLLM, as in the isolated server, keeps its EngineCore process either way; there
+        # this makes vLLM run the worker inside EngineCore instead of a third process: measured
+        # 27 s start and 1.6 GB instead of 41 s and 2.3 GB.)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     elif "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # Without an explicit binding TP>1 fails with "Not enough allowed NUMA nodes".
@@ -115,8 +120,33 @@ def _resolve(model: str | os.PathLike | None) -> tuple[str, dict]:
     return str(model), cfg
 
 
+_CLASSES: dict[str, type] = {}
+
+
+def __getattr__(name: str):
+    # The model classes are built on first use (importing nnvllm must not import vLLM) and then
+    # reachable as nnvllm.engine.<name>, in any process. That is what lets cloudpickle pickle them
+    # by reference when nnsight ships a model with every invoke: by value, each trace re-pickled
+    # every method and searched all of sys.modules for some of them (measured on CPU: a 36-invoke
+    # trace took 18-20 s instead of 0.1-0.2 s, in-process and isolated alike).
+    if name in ("GPUModel", "CPUModel"):
+        return dict(zip(("GPUModel", "CPUModel"), _model_classes()))[name]
+    if name in ("IsolatedGPUModel", "IsolatedCPUModel"):
+        return _client_class(gpu=name == "IsolatedGPUModel")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _model_classes():
-    """Build the nnsight ``VLLM`` subclasses lazily: importing nnvllm must not import vLLM."""
+    """Build the nnsight ``VLLM`` subclasses once, lazily: importing nnvllm must not import vLLM."""
+    if "CPUModel" not in _CLASSES:
+        GPUModel, CPUModel = _build_model_classes()
+        for cls in (GPUModel, CPUModel):
+            cls.__qualname__ = cls.__name__  # importable as nnvllm.engine.<name> (see __getattr__)
+            _CLASSES[cls.__name__] = cls
+    return _CLASSES["GPUModel"], _CLASSES["CPUModel"]
+
+
+def _build_model_classes():
     from nnsight.modeling.vllm import VLLM
 
     from ._cpu import CPUVLLM
@@ -152,6 +182,26 @@ def _model_classes():
             VLLM._cleanup_distributed()
             gc.collect()
 
+        def sleep(self, level: int = 1) -> None:
+            """Offload (level 1) or drop (level 2) the weights and free the KV cache, keeping the engine.
+
+            vLLM's sleep mode: GPU only, and the model must be loaded with ``enable_sleep_mode=True``.
+            """
+            self._sleep_mode_llm().sleep(level)
+
+        def wake(self) -> None:
+            """Undo :meth:`sleep`."""
+            self._sleep_mode_llm().wake_up()
+
+        def _sleep_mode_llm(self):
+            platform_ok = _sleep_platform()
+            llm = self.vllm_entrypoint
+            if platform_ok and llm is None:
+                raise RuntimeError("this model was closed; load it again with nv.load(...)")
+            enabled = platform_ok and bool(getattr(llm.llm_engine.model_config, "enable_sleep_mode", False))
+            _check_sleep(platform_ok, enabled)
+            return llm
+
         def __enter__(self):
             return self
 
@@ -171,22 +221,26 @@ def _model_classes():
     return GPUModel, CPUModel
 
 
-def load(model: str | os.PathLike | None = None, **engine_args: Any):
-    """Start a vLLM engine on ``model`` and return it as an nnsight ``VLLM`` model.
+def _sleep_platform() -> bool:
+    from vllm.platforms import current_platform
 
-    Args:
-        model: a checkpoint directory, a hub id, or None for the embedded toy model.
-        **engine_args: vLLM engine arguments (``tensor_parallel_size``, ``dtype``, ``max_model_len``,
-            ...). On CPU, :func:`cpu_defaults` fills the ones not given.
+    return current_platform.is_sleep_mode_available()
 
-    Returns:
-        The model, usable as ``with model.trace(prompt, temperature=0.0): ...``; it also has
-        ``.arch`` (module layout), ``.n_layers``, ``.llm`` (the ``vllm.LLM``) and ``.close()``.
 
-    Example:
-        >>> model = nv.load()                                   # doctest: +SKIP
-        >>> run = nv.generate(model, "The capital of France is", max_tokens=3)   # doctest: +SKIP
-    """
+def _check_sleep(platform_ok: bool, enabled: bool) -> None:
+    if not platform_ok:
+        raise NotImplementedError(
+            "vLLM's sleep mode needs a GPU; on CPU vLLM ignores it (its CPUWorker only logs a warning). "
+            "To give an engine's memory back here, close it: model.close() (with isolate=True, close() "
+            "ends the engine's processes and all of their memory comes back)."
+        )
+    if not enabled:
+        raise ValueError("this engine was loaded without sleep mode; load it with "
+                         "nv.load(..., enable_sleep_mode=True) to use sleep()/wake()")
+
+
+def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engine_args: Any):
+    """Build and dispatch nnvllm's model class in this process (``mode="async"``: the server's AsyncLLM)."""
     path, cfg = _resolve(model)
     arch = arch_for(cfg.get("architectures"), where=repr(path))
     GPUModel, CPUModel = _model_classes()
@@ -197,7 +251,159 @@ def load(model: str | os.PathLike | None = None, **engine_args: Any):
         cls = CPUModel
         _cpu_environment(tp)
         engine_args = {**cpu_defaults(tp), **engine_args}
-    m = cls(path, dispatch=True, **engine_args)
+    m = cls(path, dispatch=True, mode=mode, **engine_args)
     m.arch = arch
     m.checkpoint = path
     return m
+
+
+def default_isolate() -> bool:
+    """Whether :func:`load` isolates the engine when ``isolate=`` is not given: on a GPU, yes.
+
+    Measured (docs/engines.md): on the 2-core CPU machine an isolated engine starts 2.7x slower
+    (24 s vs 9 s) and adds 13-60 ms per call, for memory that comes back on ``close()`` either way.
+    On an H200 it starts 1.4x slower (58 s vs 43 s), and when the kernel dies without closing, an
+    in-process engine's EngineCore stayed holding 43 GB of GPU memory; an isolated one was gone in 4 s.
+    """
+    return has_cuda()
+
+
+# ---------------------------------------------------------------- live engines
+
+_ENGINES: dict[int, weakref.ref] = {}  # id -> every model load() returned, alive or not
+
+
+def _track(model) -> None:
+    _ENGINES[id(model)] = weakref.ref(model, lambda _r, k=id(model): _ENGINES.pop(k, None))
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One live engine, as :func:`engines` lists it."""
+
+    model: str
+    kind: str  # "in-process" | "isolated" | "attached"
+    pid: int | None  # the process holding the engine (this one for in-process; None when attached)
+    rss_mib: float | None  # resident memory of that process and its children (RSS), MiB
+    url: str | None
+
+
+def engines() -> list[EngineInfo]:
+    """List the engines this process has loaded and not closed, with their process and memory.
+
+    Memory is the RSS of the engine's process tree: an isolated engine's server and its vLLM
+    processes; for an in-process engine, this whole process and its children other than isolated
+    engines (vLLM's own worker processes under tensor parallelism). An engine attached with
+    ``url=`` runs elsewhere: no pid or memory.
+
+    Example:
+        >>> nv.engines()                                        # doctest: +SKIP
+        [EngineInfo(model='.../toy_model', kind='isolated', pid=4242, rss_mib=1661.0,
+                    url='http://127.0.0.1:40731')]
+    """
+    from .isolated import tree_rss
+
+    live = [m for m in (ref() for ref in list(_ENGINES.values())) if m is not None]
+    isolated = [m for m in live if getattr(m, "_nnvllm_isolated", False)]
+    in_process = [m for m in live if not getattr(m, "_nnvllm_isolated", False) and m.vllm_entrypoint is not None]
+    isolated = [m for m in isolated if not m._closed and m._dead is None]
+    out = []
+    for m in isolated:
+        rss = tree_rss(m.pid) if m.pid is not None else None
+        out.append(EngineInfo(m.checkpoint, "isolated" if m.pid is not None else "attached", m.pid,
+                              None if rss is None else round(rss / 2**20, 1), m.url))
+    if in_process:
+        own = tree_rss(os.getpid()) - sum(tree_rss(m.pid) or 0 for m in isolated if m.pid is not None)
+        for m in in_process:
+            out.append(EngineInfo(m.checkpoint, "in-process", os.getpid(), round(own / 2**20, 1), None))
+    return out
+
+
+def load(
+    model: str | os.PathLike | None = None,
+    *,
+    isolate: bool | None = None,
+    url: str | None = None,
+    token: str | None = None,
+    start_timeout: float = 600.0,
+    **engine_args: Any,
+):
+    """Start a vLLM engine on ``model`` and return it as an nnsight ``VLLM`` model.
+
+    Args:
+        model: a checkpoint directory, a hub id, or None for the embedded toy model.
+        isolate: run the engine in its own process group (``True``) or in this process (``False``).
+            Isolated, ``close()`` gives all of its memory back and a crash or kill leaves this
+            process (the kernel) alive; in-process starts faster. None picks per platform
+            (:func:`default_isolate`: isolated on GPU, in-process on CPU; see docs/engines.md).
+        url: attach to an engine started elsewhere with ``python -m nnvllm.server MODEL --port P
+            --token T``; ``model`` is then optional (its config comes from the server).
+        token: the token of the engine at ``url``.
+        start_timeout: seconds an isolated engine may take to start before it is stopped and a
+            ``TimeoutError`` (with the end of its log) is raised.
+        **engine_args: vLLM engine arguments (``tensor_parallel_size``, ``dtype``, ``max_model_len``,
+            ...). On CPU, :func:`cpu_defaults` fills the ones not given.
+
+    Returns:
+        The model, usable as ``with model.trace(prompt, temperature=0.0): ...``; it also has
+        ``.arch`` (module layout), ``.n_layers``, ``.close()`` and, in-process, ``.llm`` (the
+        ``vllm.LLM``); isolated, ``.restart()``, ``.pid`` and ``.url``.
+
+    Example:
+        >>> model = nv.load()                                   # doctest: +SKIP
+        >>> run = nv.generate(model, "The capital of France is", max_tokens=3)   # doctest: +SKIP
+        >>> with nv.load(isolate=True) as iso:                  # doctest: +SKIP
+        ...     run = nv.generate(iso, "The capital of France is")
+    """
+    if url is not None:
+        if isolate is False:
+            raise ValueError(f"isolate=False asks for an engine in this process, but url={url!r} names one "
+                             "running elsewhere; drop one of the two")
+        if engine_args:
+            raise ValueError(
+                f"engine arguments {sorted(engine_args)} cannot apply to an engine that is already running "
+                f"at {url}; they are set where it was started (python -m nnvllm.server MODEL --flag value)"
+            )
+        from . import isolated
+
+        def cls_for(where):
+            path, cfg = _resolve(where)
+            arch = arch_for(cfg.get("architectures"), where=repr(path))
+            return _client_class(), path, arch
+
+        m = isolated.attach(cls_for, url, token, None if model is None else str(model))
+        _track(m)
+        return m
+    if token is not None:
+        raise ValueError("token= goes with url= (an engine started elsewhere); an engine nnvllm starts "
+                         "gets its own random token")
+    if isolate is None:
+        isolate = default_isolate()
+    if not isinstance(isolate, bool):
+        raise TypeError(f"isolate={isolate!r}; expected True, False or None (the platform default)")
+    if not isolate:
+        m = _build_engine(model, **engine_args)
+        _track(m)
+        return m
+    from . import isolated
+
+    path, cfg = _resolve(model)
+    arch = arch_for(cfg.get("architectures"), where=repr(path))
+    if not has_cuda():
+        engine_args = {**cpu_defaults(int(engine_args.get("tensor_parallel_size", 1))), **engine_args}
+    m = isolated.start(_client_class(), path, arch, engine_args, start_timeout)
+    _track(m)
+    return m
+
+
+def _client_class(gpu: bool | None = None):
+    """nnvllm's model class with the isolated mixin first: a meta-only client of a served engine."""
+    from .isolated import IsolatedMixin
+
+    gpu = has_cuda() if gpu is None else gpu
+    name = "IsolatedGPUModel" if gpu else "IsolatedCPUModel"
+    if name not in _CLASSES:
+        GPUModel, CPUModel = _model_classes()
+        cls = type(name, (IsolatedMixin, GPUModel if gpu else CPUModel), {"__module__": __name__})
+        _CLASSES[name] = cls
+    return _CLASSES[name]

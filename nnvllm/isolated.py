@@ -1,0 +1,645 @@
+"""Isolated engines: the vLLM engine in its own process group, this process holding a meta model.
+
+vLLM keeps its memory (GPU memory above all) until the process that holds it ends: an engine run
+with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps it after ``close()``, and vLLM's EngineCore outlives a
+kernel that dies without closing (43 GB of an H200 stayed held, docs/engines.md).
+``nv.load(path, isolate=True)`` therefore starts
+``python -m nnvllm.server`` (:mod:`nnvllm.server`) in a new session (its own process group), on
+127.0.0.1, a free port and a random token, and returns a model that
+
+- holds only nnsight's meta-device module tree (never dispatched; its torch TCPStore closed right
+  after the build), so ``with model.trace(...)`` is written exactly as in-process and runs on the
+  engine through nnsight's serve protocol, over ONE kept-alive HTTP client for the session;
+- reaches nnvllm's capture and unembedding through :class:`RemoteEngine` (the same three calls as
+  :class:`nnvllm.capture.InProcessEngine`), so :func:`nnvllm.generate`, :func:`nnvllm.logit_lens`
+  and :func:`nnvllm.patch` work unchanged;
+- ends the whole process group on ``close()``, ``with``-exit, interpreter exit (``atexit``) and, via
+  the server's parent watch, when this process is killed (a kernel shut down or restarted);
+- raises :class:`EngineDied` when the engine is gone, and comes back with ``model.restart()``.
+
+``nv.load(url=..., token=...)`` attaches the same kind of model to a server someone started by hand.
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+
+__all__ = ["EngineDied", "RemoteEngine", "start", "attach", "tree_rss"]
+
+from .server import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER  # stdlib-only at import
+
+_CONNECT_TIMEOUT = 10.0
+
+
+class EngineDied(RuntimeError):
+    """The engine behind an isolated model is gone (killed, crashed, out of memory).
+
+    The message says why and what to do: ``model.restart()`` starts a new engine with the same
+    arguments in a fresh process, with no kernel restart.
+    """
+
+
+def tree_rss(pid: int) -> int | None:
+    """Resident memory (bytes) of process ``pid`` and all its descendants; None if it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return None
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def _tail(path: Path | None, lines: int = 30) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    text = path.read_bytes()[-20000:].decode(errors="replace").splitlines()
+    return "\n".join("    " + ln for ln in text[-lines:])
+
+
+def _describe_exit(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with code {rc}"
+
+
+# ---------------------------------------------------------------- the process group
+
+
+class _Server:
+    """One ``python -m nnvllm.server`` process group started by this process."""
+
+    def __init__(self, checkpoint: str, engine_args: dict) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="nnvllm-engine-"))
+        self.log = self.dir / "engine.log"
+        self.token = secrets.token_urlsafe(32)
+        port_file = self.dir / "port"
+        pkg_root = str(Path(__file__).resolve().parents[1])  # importable even without an install
+        env = {**os.environ, TOKEN_ENV: self.token,
+               "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
+        # An in-process engine of this process may have set these for itself (nnvllm.engine sets them
+        # in os.environ); the server sets its own for its tensor-parallel size.
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        tp = int(engine_args.get("tensor_parallel_size", 1))
+        if len(env.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|")) != tp:
+            env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        cmd = [sys.executable, "-m", "nnvllm.server", checkpoint, "--port", "0",
+               "--port-file", str(port_file), "--watch-pid", str(os.getpid()),
+               "--engine-args", json.dumps(engine_args)]
+        with open(self.log, "wb") as log:
+            # A new session: its own process group, ended as a whole (SIGTERM of the server alone
+            # leaves vLLM's EngineCore and workers running, holding their memory).
+            self.popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                          env=env, start_new_session=True)
+        self.pid = self.pgid = self.popen.pid
+        self._port_file = port_file
+        self.url: str | None = None
+
+    def wait_ready(self, deadline: float, what: str) -> str:
+        """Return the URL once ``/health`` answers 200; raise with the log's tail otherwise."""
+        import httpx
+
+        while True:
+            rc = self.popen.poll()
+            if rc is not None:
+                raise RuntimeError(
+                    f"the engine process for {what} {_describe_exit(rc)} while starting. "
+                    f"Last lines of its log ({self.log}):\n{_tail(self.log)}"
+                ) from None
+            if self.url is None and self._port_file.exists():
+                self.url = f"http://127.0.0.1:{int(self._port_file.read_text())}"
+            if self.url is not None:
+                try:
+                    if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                        return self.url
+                except httpx.TransportError:
+                    pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the engine for {what} did not start within start_timeout; it was stopped. Pass a "
+                    f"larger start_timeout= if it is only slow. Last lines of its log ({self.log}):\n"
+                    f"{_tail(self.log)}"
+                ) from None
+            time.sleep(0.2)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def members(self) -> list:
+        """The live processes of this server's group (orphans of a killed server included)."""
+        import psutil
+
+        procs = {}
+        try:
+            root = psutil.Process(self.pid)
+            for p in [root, *root.children(recursive=True)]:
+                procs[p.pid] = p
+        except psutil.NoSuchProcess:
+            pass
+        for p in psutil.process_iter():
+            try:
+                if p.pid not in procs and os.getpgid(p.pid) == self.pgid:
+                    procs[p.pid] = p
+            except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+                pass
+        return list(procs.values())
+
+    def end(self) -> None:
+        """End the whole process group at once, and the shared memory it holds.
+
+        SIGKILL, not SIGTERM: measured on CPU, vLLM's EngineCore takes ~5 s to answer SIGTERM (its
+        process manager then force-kills it anyway), and the memory comes back the same way. What a
+        kill could leave is vLLM's shared-memory segments in /dev/shm (hundreds of MB reserved). The
+        group's multiprocessing resource tracker removes those once every other process is gone, so
+        it is killed last; segments still there after it are unlinked from the processes' maps.
+        """
+        import psutil
+
+        procs = self.members()
+        shm, trackers = set(), []
+        for p in procs:
+            try:
+                shm |= {m.path for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
+                if "resource_tracker" in " ".join(p.cmdline()):
+                    trackers.append(p)
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        others = [p for p in procs if p not in trackers]
+        for p in others:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(others, timeout=10)
+        psutil.wait_procs(trackers, timeout=3)  # it cleans up and exits once its clients are gone
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)  # whatever is left of the group
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in trackers:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        for path in shm:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+# ---------------------------------------------------------------- the HTTP connection
+
+
+class _Connection:
+    """One kept-alive ``httpx.Client`` per engine, carrying the token; errors become clear ones."""
+
+    def __init__(self, model, url: str, token: str) -> None:
+        self._model = weakref.ref(model)
+        self.url = url.rstrip("/")
+        self.token = token
+        self.client = self._client()
+
+    def _client(self):
+        import httpx
+        from nnsight.modeling.vllm.serve import http
+
+        return httpx.Client(base_url=self.url, headers={TOKEN_HEADER: self.token},
+                            timeout=httpx.Timeout(_CONNECT_TIMEOUT, read=http.READ_TIMEOUT))
+
+    def close(self) -> None:
+        self.client.close()
+
+    def request(self, method: str, path: str, **kw: Any):
+        import httpx
+
+        model = self._model()
+        if model is None:
+            raise RuntimeError("this engine's model object is gone")
+        try:
+            r = self.client.request(method, path, **kw)
+        except httpx.TimeoutException:
+            if model is not None and model._engine_alive():
+                raise TimeoutError(
+                    f"the engine at {self.url} did not answer {path} in time; it may be wedged. "
+                    "model.restart() starts a fresh one."
+                ) from None
+            model._engine_died(f"it stopped answering ({path} timed out)")
+        except httpx.TransportError as e:
+            # ConnectError (nothing listens), ReadError / RemoteProtocolError (it died mid-request).
+            model._engine_died(f"its server stopped answering ({type(e).__name__}: {e})")
+        except BaseException:
+            # KeyboardInterrupt mid-request: the server finishes the request on its own; start
+            # a fresh client so no half-read connection is ever reused.
+            self.client.close()
+            self.client = self._client()
+            raise
+        if r.status_code == 200:
+            return r
+        try:
+            detail = r.json().get("detail", r.reason_phrase)
+        except Exception:  # noqa: BLE001  a non-JSON error body
+            detail = r.reason_phrase
+        if r.status_code == 503 and detail == ENGINE_DIED:
+            model._engine_died("its engine core stopped (vLLM EngineDeadError); the HTTP server was still up")
+        if r.status_code == 401:
+            raise PermissionError(f"the engine at {self.url} refused the token: {detail}. Pass the token "
+                                  "the server was started with (nv.load(url=..., token=...)).") from None
+        raise ConnectionError(
+            f"the engine at {self.url} answered {method} {path} with {r.status_code}: {detail}")
+
+
+def _serve_backend_class():
+    """nnsight's serve backend, sending over the model's kept-alive connection (not a client per trace)."""
+    import torch
+    from nnsight.intervention.errors import raise_deferred
+    from nnsight.modeling.vllm.serve import http
+    from nnsight.modeling.vllm.serve.backend import LocalServeBackend
+
+    class KeptAliveServeBackend(LocalServeBackend):
+        def _send(self, blob: bytes) -> dict:
+            r = self.model._connection().request("POST", "/v1/nnsight/generate", content=blob,
+                                                  headers=http.headers(None))
+            result = torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=False)
+            raise_deferred(result.get("error"))
+            return result.get("saves", {})
+
+    return KeptAliveServeBackend
+
+
+class RemoteEngine:
+    """An isolated model's engine adapter: :class:`nnvllm.capture.InProcessEngine`'s calls, over HTTP."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.conn = model._connection()  # raises if closed or dead
+
+    def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], bytes | None]:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save({"prompts": prompts, "params": params, "spec": spec}, buf)
+        r = self.conn.request("POST", "/v1/nnvllm/generate", content=buf.getvalue(),
+                              headers={"Content-Type": "application/octet-stream"})
+        res = torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=False)
+        if res.get("error"):
+            kind, msg = res["error"]
+            exc = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
+            raise exc(f"the engine refused the request: {kind}: {msg}") from None
+        return res["outputs"], res["records"]
+
+    def unembed(self, final_norm: str, unembed: str) -> list[dict]:
+        import torch
+
+        body = {"final_norm": final_norm, "unembed": unembed}
+        r = self.conn.request("POST", "/v1/nnvllm/unembed", json=body)
+        return torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=False)["parts"]
+
+    def info(self) -> dict:
+        return self.model._info
+
+
+# ---------------------------------------------------------------- the model
+
+
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> isolated model we started
+_atexit_lock = threading.Lock()
+_atexit_done = False
+
+
+def _close_all() -> None:
+    for model in list(_LIVE.values()):
+        try:
+            model._stop()
+        except Exception:  # noqa: BLE001, S110  at exit: end what can be ended, never raise
+            pass
+
+
+def _register_atexit() -> None:
+    global _atexit_done
+    with _atexit_lock:
+        if not _atexit_done:
+            atexit.register(_close_all)
+            _atexit_done = True
+
+
+_LOCAL_ONLY = ("_conn", "_server", "_relaunch", "_info", "_attach_url", "_attach_token", "_dead", "_closed",
+               "_nnvllm_unembed")
+
+
+class IsolatedMixin:
+    """What an isolated (or attached) model adds to nnvllm's model class; comes first in the MRO."""
+
+    _nnvllm_isolated = True
+
+    # -- set by start()/attach()
+    checkpoint: str
+    _conn: _Connection | None
+    _server: _Server | None
+    _info: dict
+    _relaunch: dict | None  # how to start it again (None: attached to someone else's server)
+    _dead: str | None
+    _closed: bool
+
+    def _engine_adapter(self) -> RemoteEngine:
+        return RemoteEngine(self)
+
+    def __getstate__(self) -> dict:
+        # A trace ships the model object to the server (nnsight pickles its __dict__): never the
+        # connection, process handle, token or cached unembedding; the server has its own.
+        state = super().__getstate__()
+        for k in _LOCAL_ONLY:
+            state.pop(k, None)
+        return state
+
+    # -- state
+    def _connection(self) -> _Connection:
+        if self._closed:
+            raise RuntimeError(
+                "this model was closed; load it again with nv.load(...) or call model.restart()")
+        if self._dead is not None:
+            raise EngineDied(self._dead)
+        return self._conn
+
+    def _engine_alive(self) -> bool:
+        if self._server is not None:
+            return self._server.alive()
+        import httpx
+
+        try:
+            return httpx.get(self._conn.url + "/health", timeout=5.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def _engine_died(self, why: str):
+        """Record the death, free what is left of the process group, raise :class:`EngineDied`."""
+        server = self._server
+        if server is not None:
+            try:
+                server.popen.wait(timeout=2.0)  # a server killed mid-request: let its exit show
+            except subprocess.TimeoutExpired:
+                pass
+            rc = server.popen.poll()
+            if rc is not None:
+                why = f"the engine process (pid {server.pid}) {_describe_exit(rc)}"
+            server.end()
+            self._dead = (
+                f"the isolated engine for {self.checkpoint!r} died: {why}. What was left of its process "
+                "group was ended and its memory freed. Call model.restart() to start a new engine with the "
+                f"same arguments (no kernel restart needed). Last lines of its log ({server.log}):\n"
+                f"{_tail(server.log)}"
+            )
+        else:
+            self._dead = (
+                f"the engine at {self._conn.url} died or is unreachable: {why}. Start it again there "
+                "(python -m nnvllm.server ...) and call model.restart() to re-attach."
+            )
+        _LIVE.pop(id(self), None)
+        raise EngineDied(self._dead) from None
+
+    # -- nnsight entry points, pointed at the engine
+    def trace(self, *inputs: Any, **kwargs: Any):
+        if kwargs.get("serve") is None and kwargs.get("backend") is None and not kwargs.get("remote"):
+            self._connection()  # closed / dead: say so before the block runs
+            kwargs["backend"] = _serve_backend_class()(self, self._conn.url)
+        return super().trace(*inputs, **kwargs)
+
+    def edit(self, *, serve: str | None = None, api_key: str | None = None, **kwargs: Any):
+        conn = self._connection()
+        return super().edit(serve=serve or conn.url, api_key=api_key or conn.token, **kwargs)
+
+    def dispatch(self) -> None:
+        raise RuntimeError(
+            "this model's engine runs in another process (isolated); the local copy holds no weights "
+            "and is never loaded. Trace it with `with model.trace(...)`, or use nv.generate(model, ...)."
+        )
+
+    def _generate(self, *inputs: Any, **kwargs: Any):
+        raise NotImplementedError(
+            "model.generate(...) without a `with` block runs vLLM in this process, and this model's "
+            "engine is isolated in another one. Use nv.generate(model, prompts, ...) or "
+            "`with model.generate(...)` / `with model.trace(...)`."
+        )
+
+    @property
+    def llm(self):
+        raise RuntimeError(
+            "this model's engine runs in another process (isolate=True): there is no vllm.LLM here. "
+            "Use nv.generate / model.trace, or load with isolate=False for direct access to vLLM."
+        )
+
+    # -- lifecycle
+    @property
+    def url(self) -> str | None:
+        return None if self._conn is None else self._conn.url
+
+    @property
+    def pid(self) -> int | None:
+        """The engine server's process id (None when attached to a server started elsewhere)."""
+        return None if self._server is None else self._server.pid
+
+    @property
+    def log_path(self) -> Path | None:
+        return None if self._server is None else self._server.log
+
+    def _stop(self) -> None:
+        _LIVE.pop(id(self), None)
+        if self._conn is not None:
+            self._conn.close()
+        if self._server is not None:
+            self._server.end()
+            if self._dead is None:  # keep the log of an engine that died, for the message
+                for f in self._server.dir.iterdir():
+                    f.unlink(missing_ok=True)
+                self._server.dir.rmdir()
+            self._server = None
+
+    def close(self) -> None:
+        """End the engine's process group (its memory comes back); the model refuses to run afterwards.
+
+        On a model attached with ``nv.load(url=...)`` this only disconnects: the engine is someone else's.
+        """
+        if self._closed:
+            return
+        self._stop()
+        self._closed = True
+
+    def restart(self) -> None:
+        """Start a new engine with the same arguments (or re-attach to the same URL); no kernel restart."""
+        self._stop()
+        self.__dict__.pop("_nnvllm_unembed", None)
+        if self._relaunch is None:
+            _connect(self, self._attach_url, self._attach_token)
+        else:
+            _launch(self, **self._relaunch)
+        self._closed = False
+        self._dead = None
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's weights (level 2) or offload them (level 1), keeping the process (GPU only)."""
+        self._check_sleep()
+        self._connection().request("POST", "/v1/nnvllm/sleep", json={"level": int(level)})
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep`."""
+        self._check_sleep()
+        self._connection().request("POST", "/v1/nnvllm/wake")
+
+    def _check_sleep(self) -> None:
+        from .engine import _check_sleep
+
+        self._connection()
+        _check_sleep(self._info.get("sleep_platform", False), self._info.get("sleep_mode", False))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._closed or self._dead:
+            where = "closed" if self._closed else "dead: model.restart()"
+        else:
+            where = f"pid {self.pid}" if self._server is not None else f"attached to {self.url}"
+        return (f"<nnvllm model {self.checkpoint!r} ({self.arch.family}, {self.n_layers} layers, isolated, "
+                f"{where})>")
+
+
+def _check_json(engine_args: dict) -> None:
+    try:
+        json.dumps(engine_args)
+    except TypeError as e:
+        raise TypeError(
+            f"isolate=True sends engine arguments to another process as JSON, and {e}. Pass plain values "
+            "(str, int, float, bool, lists, dicts), or load with isolate=False."
+        ) from None
+
+
+def _meta_model(cls, checkpoint: str, engine_args: dict):
+    """Build the client's meta-only model (never dispatched) and close its torch TCPStore."""
+    model = cls(checkpoint, **engine_args)
+    if getattr(model, "_owns_distributed", False):
+        # VLLM.__init__ started a process group (a TCPStore listening on every interface) only to
+        # build the meta tree; nothing here needs it, so it goes now.
+        model._cleanup_distributed()
+        model._owns_distributed = False
+    return model
+
+
+def _launch(model, *, checkpoint: str, engine_args: dict, start_timeout: float, server: _Server | None = None,
+            deadline: float | None = None) -> None:
+    deadline = deadline if deadline is not None else time.monotonic() + start_timeout
+    server = server or _Server(checkpoint, engine_args)
+    try:
+        url = server.wait_ready(deadline, repr(checkpoint))
+        model._server = server
+        _connect(model, url, server.token)
+    except BaseException:  # a timeout, a failed start, KeyboardInterrupt: never leave it running
+        server.end()
+        model._server = None
+        raise
+
+
+def _connect(model, url: str, token: str) -> None:
+    model._conn = _Connection(model, url, token)
+    model._info = model._conn.request("GET", "/v1/nnvllm/info").json()
+    _LIVE[id(model)] = model
+    _register_atexit()
+
+
+def start(cls, checkpoint: str, arch, engine_args: dict, start_timeout: float):
+    """Start an isolated engine on ``checkpoint`` and return its client model (see module docstring)."""
+    _check_json(engine_args)
+    if not isinstance(start_timeout, (int, float)) or start_timeout <= 0:
+        raise ValueError(f"start_timeout={start_timeout!r}; expected seconds > 0")
+    deadline = time.monotonic() + start_timeout
+    server = _Server(checkpoint, engine_args)  # starts now; the meta build below overlaps with it
+    try:
+        model = _meta_model(cls, checkpoint, engine_args)
+    except BaseException:
+        server.end()
+        raise
+    _init(model, checkpoint, arch)
+    model._relaunch = {"checkpoint": checkpoint, "engine_args": dict(engine_args),
+                       "start_timeout": start_timeout}
+    _launch(model, **model._relaunch, server=server, deadline=deadline)
+    return model
+
+
+def attach(cls_for, url: str, token: str | None, checkpoint: str | None):
+    """Attach to a running ``python -m nnvllm.server`` at ``url`` (see module docstring)."""
+    import httpx
+
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"url={url!r}; expected the server's address, e.g. 'http://127.0.0.1:8000'")
+    if not token:
+        raise ValueError("nv.load(url=...) needs token=: the one the server was started with (--token), "
+                         "or the one it printed at start")
+    url = url.rstrip("/")
+    try:
+        r = httpx.get(url + "/v1/nnvllm/info", headers={TOKEN_HEADER: token}, timeout=_CONNECT_TIMEOUT)
+    except httpx.TransportError as e:
+        raise ConnectionError(f"no nnvllm engine answers at {url} ({type(e).__name__}: {e}). Start one with "
+                              "python -m nnvllm.server MODEL --port P --token T") from None
+    if r.status_code == 401:
+        raise PermissionError(
+            f"the engine at {url} refused the token; pass the one it was started with") from None
+    if r.status_code != 200:
+        raise ConnectionError(f"the engine at {url} answered {r.status_code}: {r.text[:200]}") from None
+    info = r.json()
+    where = checkpoint or info["checkpoint"]
+    if checkpoint is None and not Path(where).is_dir():
+        # The engine's checkpoint is not on this machine: build the meta model from its config and
+        # tokenizer, fetched from the server (no weights travel).
+        files = httpx.get(url + "/v1/nnvllm/files", headers={TOKEN_HEADER: token}, timeout=60.0)
+        files.raise_for_status()
+        where = tempfile.mkdtemp(prefix="nnvllm-remote-")
+        with tarfile.open(fileobj=io.BytesIO(files.content)) as tar:
+            tar.extractall(where, filter="data")
+    cls, cfg_path, arch = cls_for(where)
+    meta_args = {"dtype": info["dtype"].removeprefix("torch."), "max_model_len": info["max_model_len"]}
+    model = _meta_model(cls, cfg_path, meta_args)
+    _init(model, info["checkpoint"], arch)
+    model._relaunch = None
+    model._attach_url, model._attach_token = url, token
+    _connect(model, url, token)
+    return model
+
+
+def _init(model, checkpoint: str, arch) -> None:
+    model.arch = arch
+    model.checkpoint = checkpoint
+    model._conn = None
+    model._server = None
+    model._info = {}
+    model._dead = None
+    model._closed = False

@@ -1,0 +1,411 @@
+"""Serve one nnvllm engine over HTTP: nnsight's serve app, nnvllm's engine, nnvllm's endpoints.
+
+    python -m nnvllm.server MODEL [--port P] [--token T] [--tensor-parallel-size 2] [--dtype float32 ...]
+
+``nv.load(path, isolate=True)`` starts this in its own process (group) and talks to it; anyone may
+start it by hand and attach with ``nv.load(url="http://127.0.0.1:P", token=T)``. Why our own entry
+rather than ``nnsight-serve``: that one builds plain ``VLLM``, which fails on CPU (no accelerator) and
+lacks nnvllm's capture methods in the worker. What this adds to nnsight's ``server.app``:
+
+- the engine is nnvllm's model class (CPU worker, untied shared modules, capture hooks), ``mode="async"``;
+- anyio's lazily loaded classes are imported before nnsight (else every request returned 500);
+- a constant-time token check on every endpoint except ``/health`` (header ``ndif-api-key``);
+- ``POST /v1/nnvllm/generate`` and ``/v1/nnvllm/unembed`` (what :func:`nnvllm.generate` and
+  :func:`nnvllm.analyses.unembedding` need), ``GET /v1/nnvllm/info``, ``GET /v1/nnvllm/files``
+  (config + tokenizer, so a remote client can build its meta model), ``POST /v1/nnvllm/sleep|wake``;
+- ``/v1/nnsight/generate`` replaced by a copy of nnsight's handler with three fixes: nnsight's
+  per-file source caches are cleared per request (an edited file or notebook cell at the same path
+  ran its OLD invoke bodies), a name saved in several invokes comes back as a list in invoke order
+  (as in-process; the stock server kept only the last invoke's), and a dead engine is a 503;
+- ``/health`` reports a dead engine core (the stock one says 200 while every trace fails);
+- on SIGTERM the engine is shut down (the stock server died leaving EngineCore running), and with
+  ``--watch-pid`` the server ends itself and its process group when that process is gone.
+
+Binds 127.0.0.1 unless ``--host`` says otherwise: the server runs code its clients send.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the handlers' annotations (``Request``,
+# imported inside _install) at route creation; postponed, they would not resolve (422 on every call).
+import argparse
+import asyncio
+import contextlib
+import hmac
+import io
+import json
+import os
+import pickle
+import secrets
+import signal
+import socket
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+__all__ = ["ENGINE_DIED", "TOKEN_ENV", "TOKEN_HEADER", "main"]
+
+TOKEN_HEADER = "ndif-api-key"  # what nnsight's serve client sends
+TOKEN_ENV = "NNVLLM_TOKEN"  # how nv.load(isolate=True) hands the token over (argv is world-readable)
+ENGINE_DIED = "nnvllm: engine died"  # the 503 detail clients turn into nv.EngineDied
+
+
+def _torch_payload(obj: Any):
+    import torch
+    from fastapi import Response
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return Response(content=buf.getvalue(), media_type="application/octet-stream")
+
+
+def _error(status: int, detail: str):
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(status_code=status, content={"detail": detail})
+
+
+def _dead(engine) -> bool:
+    return engine is None or bool(getattr(engine, "errored", False))
+
+
+def _merge_saves(mediators: list, per_request: list[dict]) -> dict:
+    """Merge per-invoke saves the way nnsight's in-process engine does (``VLLM._collect``).
+
+    A name saved by several invokes comes back as a list in invoke order; a container bound and
+    saved above the invokes is merged slot-wise (nnsight's own ``merge_shared_saves``).
+    """
+    from nnsight.modeling.vllm.collect import merge_shared_saves
+
+    values: dict[str, list] = {}
+    for saves in per_request:
+        for name, value in saves.items():
+            values.setdefault(name, []).append(value)
+    shared = merge_shared_saves(mediators, per_request)
+    out = {}
+    for name, found in values.items():
+        if name in shared:
+            out[name] = shared[name]
+        elif len(found) > 1 and any(v is not found[0] for v in found):
+            out[name] = found
+        else:
+            out[name] = found[0]
+    return out
+
+
+def _install(app, token: str, model, checkpoint: str) -> None:
+    """Add nnvllm's auth, routes and fixes to nnsight's FastAPI ``app`` (same app, same port)."""
+    from fastapi import Request
+    from fastapi.routing import APIRoute
+    from nnsight.modeling.vllm.serve import server as serve
+
+    expected = token.encode()
+
+    @app.middleware("http")
+    async def check_token(request: Request, call_next):
+        # /health stays open (a liveness probe needs no secret); everything else runs client code.
+        if request.url.path != "/health":
+            got = request.headers.get(TOKEN_HEADER, "").encode()
+            if not hmac.compare_digest(got, expected):
+                return _error(401, f"missing or wrong token (header {TOKEN_HEADER!r})")
+        return await call_next(request)
+
+    capture_lock = asyncio.Lock()  # the capture hooks are per worker: one nv.generate at a time
+
+    async def health():
+        engine = model.vllm_entrypoint
+        if engine is None:
+            return _error(503, "engine not ready")
+        if _dead(engine):
+            return _error(503, ENGINE_DIED)
+        return {"status": "ok", "pid": os.getpid()}
+
+    async def trace(request: Request):
+        """nnsight's ``/v1/nnsight/generate``, with the fixes listed in the module docstring."""
+        from nnsight.intervention.errors import capture_exception
+        from nnsight.modeling.vllm.engines.engine import acollect
+        from nnsight.tracing import globals as tracing_globals
+
+        model_ = serve._ready()
+        body = await request.body()
+        compress = request.headers.get("nnsight-compress", "False").lower() == "true"
+        # From here to the first await nothing else runs, so no other build can see this one's
+        # sources. Cleared per request: the caches key on the client's file name and never
+        # re-read, so an edited file at the same path would run its old invoke bodies.
+        tracing_globals.SOURCES.clear()
+        tracing_globals.BLOCKS.clear()
+        try:
+            tracer = serve._build_tracer(body, compress)
+            _, (prompts, params, loras), forward_kwargs = tracer.prepare(tracer.info.code)
+            mediators = model_._attach_mediators(params, **forward_kwargs)
+        except Exception as exc:
+            return serve._payload({}, capture_exception(exc))
+        finally:
+            model_.interleaver.cancel()
+        engine = model_.vllm_entrypoint
+
+        async def run_invoke(prompt, param, lora):
+            request_id = uuid.uuid4().hex
+            collected = False
+            try:
+                output = None
+                async for output in engine.generate(prompt, param, request_id, lora_request=lora):
+                    pass
+                entry = await acollect(engine, request_id, output)
+                collected = True
+                return ({}, None) if entry is None else (entry["saves"], entry["error"])
+            finally:
+                if not collected:  # cancelled mid-generation: free the request's workers
+                    await asyncio.shield(acollect(engine, request_id))
+
+        results = await asyncio.gather(
+            *(run_invoke(p, q, loras[i] if loras else None) for i, (p, q) in enumerate(zip(prompts, params))),
+            return_exceptions=True,
+        )
+        if _dead(engine):
+            return _error(503, ENGINE_DIED)
+        per_request, first_error = [], None
+        for result in results:
+            if isinstance(result, BaseException):
+                first_error = first_error or capture_exception(result)
+                per_request.append({})
+                continue
+            saves, error = result
+            per_request.append(saves)
+            first_error = first_error or error
+        return serve._payload(_merge_saves(mediators, per_request), first_error)
+
+    async def capture(request: Request):
+        """Arm the capture hooks, run the prompts concurrently, collect: one ``nv.generate``."""
+        import torch
+        from vllm import SamplingParams
+
+        from .capture import plain_output
+
+        model_ = serve._ready()
+        req = torch.load(io.BytesIO(await request.body()), weights_only=False)
+        engine = model_.vllm_entrypoint
+        try:
+            params = SamplingParams(**req["params"])
+        except (TypeError, ValueError) as e:
+            return _torch_payload({"error": (type(e).__name__, str(e))})
+
+        async def one(prompt, request_id):
+            output = None
+            async for output in engine.generate(prompt, params, request_id):
+                pass
+            return plain_output(output)
+
+        ids = [uuid.uuid4().hex for _ in req["prompts"]]
+        async with capture_lock:
+            try:
+                await engine.collective_rpc("nnvllm_arm", args=(req["spec"],))
+                try:
+                    outputs = await asyncio.gather(*(one(p, i) for p, i in zip(req["prompts"], ids)))
+                finally:
+                    raw = (await engine.collective_rpc("nnvllm_collect"))[0]
+                    # What nnsight's engine does for every finished request: wind up the workers an
+                    # installed edit (model.edit) ran on them. One call for all, not one per request.
+                    await engine.collective_rpc("collect_nnsight", args=(ids, ids))
+            except Exception as e:
+                if _dead(engine):
+                    return _error(503, ENGINE_DIED)
+                return _torch_payload({"error": (type(e).__name__, str(e))})
+        return _torch_payload({"outputs": outputs, "records": raw, "error": None})
+
+    async def unembed(request: Request):
+        body = await request.json()
+        engine = serve._ready().vllm_entrypoint
+        try:
+            parts = await engine.collective_rpc("nnvllm_unembed", args=(body["final_norm"], body["unembed"]))
+        except Exception as e:
+            if _dead(engine):
+                return _error(503, ENGINE_DIED)
+            return _error(500, f"{type(e).__name__}: {e}")
+        return _torch_payload({"parts": [pickle.loads(p) for p in parts]})
+
+    async def info():
+        engine = serve._ready().vllm_entrypoint
+        mc = engine.model_config
+        import torch
+        from vllm.platforms import current_platform
+
+        return {
+            "checkpoint": checkpoint,
+            "pid": os.getpid(),
+            "dtype": str(mc.dtype),
+            "tp": engine.vllm_config.parallel_config.tensor_parallel_size,
+            "vocab_size": mc.get_vocab_size(),
+            "max_model_len": mc.max_model_len,
+            "cuda": torch.cuda.is_available(),
+            "sleep_platform": current_platform.is_sleep_mode_available(),
+            "sleep_mode": bool(getattr(mc, "enable_sleep_mode", False)),
+        }
+
+    async def files():
+        """Config and tokenizer files (never weights): what a client needs to build its meta model."""
+        buf = io.BytesIO()
+        with tempfile.TemporaryDirectory() as d:
+            engine = serve._ready().vllm_entrypoint
+            engine.model_config.hf_config.save_pretrained(d)
+            model.tokenizer.save_pretrained(d)
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                for name in sorted(os.listdir(d)):
+                    tar.add(os.path.join(d, name), arcname=name)
+        from fastapi import Response
+
+        return Response(content=buf.getvalue(), media_type="application/x-tar")
+
+    async def sleep_(request: Request):
+        engine = serve._ready().vllm_entrypoint
+        level = int((await request.json()).get("level", 1))
+        if not getattr(engine.model_config, "enable_sleep_mode", False):
+            return _error(501, "this engine was started without enable_sleep_mode=True")
+        await engine.sleep(level)
+        return {"status": "ok", "sleeping": True}
+
+    async def wake():
+        engine = serve._ready().vllm_entrypoint
+        if not getattr(engine.model_config, "enable_sleep_mode", False):
+            return _error(501, "this engine was started without enable_sleep_mode=True")
+        await engine.wake_up()
+        return {"status": "ok", "sleeping": False}
+
+    ours = [
+        ("/health", health, ["GET"]),
+        ("/v1/nnsight/generate", trace, ["POST"]),
+        ("/v1/nnvllm/generate", capture, ["POST"]),
+        ("/v1/nnvllm/unembed", unembed, ["POST"]),
+        ("/v1/nnvllm/info", info, ["GET"]),
+        ("/v1/nnvllm/files", files, ["GET"]),
+        ("/v1/nnvllm/sleep", sleep_, ["POST"]),
+        ("/v1/nnvllm/wake", wake, ["POST"]),
+    ]
+    paths = {p for p, _, _ in ours}
+    # Ours replace nnsight's routes of the same path (a router matches the first route registered).
+    kept = [r for r in app.router.routes if not (isinstance(r, APIRoute) and r.path in paths)]
+    app.router.routes[:] = [APIRoute(p, fn, methods=m) for p, fn, m in ours] + kept
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        yield
+        # uvicorn re-raises SIGTERM after its shutdown and the process dies without running
+        # atexit: shut the engine (its EngineCore / worker processes) down here.
+        engine = model.vllm_entrypoint
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.shutdown()
+
+    app.router.lifespan_context = lifespan
+
+
+def _watch_parent(pid: int) -> None:
+    """End this server (and its process group) once process ``pid`` is gone: a killed kernel."""
+    import psutil
+
+    ppid = os.getppid()
+
+    def gone() -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE or os.getppid() != ppid
+        except psutil.NoSuchProcess:
+            return True
+
+    def loop():
+        while not gone():
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)  # graceful: the engine shuts down in the lifespan
+        time.sleep(10.0)
+        if os.getpgrp() == os.getpid():  # our own group (start_new_session): end all of it
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=loop, name="nnvllm-watch-parent", daemon=True).start()
+
+
+def _parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
+    from nnsight.modeling.vllm.serve.cli import _parse_vllm_args
+
+    p = argparse.ArgumentParser(
+        prog="python -m nnvllm.server",
+        description="Serve one nnvllm engine (nnsight VLLM, async) over HTTP. Unrecognised --flag value "
+        "pairs are vLLM engine arguments, e.g. --tensor-parallel-size 2 --dtype float32.",
+    )
+    p.add_argument("model", help="checkpoint directory or hub id")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one (default)")
+    p.add_argument("--token", default=None,
+                   help=f"required token (header {TOKEN_HEADER}); else ${TOKEN_ENV}; "
+                   "else a random one, printed")
+    p.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--watch-pid", type=int, default=None, help="shut down when this process is gone")
+    p.add_argument("--engine-args", default=None, help="engine arguments as a JSON object")
+    args, rest = p.parse_known_args(argv)
+    short = [a for a in rest if a.startswith("-") and not a.startswith("--")]
+    if short:
+        p.error(f"unrecognised {short}: spell engine arguments out (--tensor-parallel-size 2, not -tp 2)")
+    engine_args = _parse_vllm_args(rest)
+    if args.engine_args:
+        engine_args.update(json.loads(args.engine_args))
+    return args, engine_args
+
+
+def _preload_anyio() -> None:
+    """Import anyio's lazily loaded classes before nnsight is imported.
+
+    nnsight adds ``.save`` to every object; anyio classes first loaded after that fail anyio's own
+    type-annotation check ("Attribute 'save' is missing its type annotation") and every request
+    returns 500. So they are loaded first, before anything here imports nnsight.
+    """
+    if "nnsight" in sys.modules:
+        raise RuntimeError(
+            "nnvllm.server must import anyio before nnsight; run it as python -m nnvllm.server")
+    import anyio._backends._asyncio  # noqa: F401
+    import anyio.abc._sockets  # noqa: F401
+    import anyio.streams.file  # noqa: F401
+    import anyio.streams.tls  # noqa: F401
+
+
+def main(argv: list[str] | None = None) -> None:
+    _preload_anyio()
+    args, engine_args = _parse(argv)
+    token = args.token or os.environ.pop(TOKEN_ENV, None)
+    if not token:
+        token = secrets.token_urlsafe(32)
+        print(f"nnvllm.server: token (header {TOKEN_HEADER}): {token}", flush=True)
+    if args.watch_pid:
+        _watch_parent(args.watch_pid)
+
+    from .engine import _build_engine
+
+    model = _build_engine(args.model, mode="async", **engine_args)
+
+    import uvicorn
+    from nnsight.modeling.vllm.serve.server import app, set_model
+
+    set_model(model)
+    _install(app, token, model, model.checkpoint)
+
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    if args.host not in ("127.0.0.1", "::1", "localhost"):
+        print(f"nnvllm.server: WARNING: bound to {args.host}: reachable from the network; it runs "
+              "client-sent code, guarded only by the token.", flush=True)
+    print(f"nnvllm.server: serving {model.checkpoint} on http://{args.host}:{port}", flush=True)
+    if args.port_file:  # written atomically, after the bind: the client reads a complete port
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, args.port_file)
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

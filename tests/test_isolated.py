@@ -1,0 +1,375 @@
+"""Isolated engines (``nv.load(..., isolate=True)``): the engine in its own process group, on a real vLLM.
+
+Every capture and analysis case of test_capture.py and test_analyses.py runs again here, unchanged,
+against one isolated engine on the toy model (their ``engine``/``toy`` fixtures are overridden
+below), compared with plain transformers at 1e-3 as there. Then: nnsight traces through the serve
+protocol, security (token, loopback), lifecycle (close, context manager, five loads in a row give
+their memory back), faults (start timeout, KeyboardInterrupt mid-request, killed engine) and
+attaching to a running server.
+
+Engine start in its own process takes ~25-30 s on the 2-core CPU machine; one engine is shared.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+import nnvllm as nv
+import test_analyses
+import test_capture
+from conftest import engine_kwargs
+
+CLEAN, CORRUPT = "The capital of France is", "The capital of Italy is"
+
+# The same cases as in-process, collected again in this module with its fixtures.
+for _mod in (test_capture, test_analyses):
+    for _name in dir(_mod):
+        if _name.startswith("test_"):
+            globals()[_name] = getattr(_mod, _name)
+
+
+@pytest.fixture(scope="module")
+def iso(toy_path):
+    model = nv.load(toy_path, isolate=True, **engine_kwargs(1))
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def engine(toy_path, iso):  # test_capture.py's fixture: (checkpoint, model)
+    return toy_path, iso
+
+
+@pytest.fixture(scope="module")
+def toy(iso):  # test_analyses.py's fixture
+    return iso
+
+
+def _server_procs():
+    """Processes of any nnvllm server this test process started (its engine groups)."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if "nnvllm.server" in " ".join(p.cmdline())]
+
+
+def _alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _tree_rss() -> int:
+    me = psutil.Process()
+    return sum(p.memory_info().rss for p in [me, *me.children(recursive=True)])
+
+
+# ---------------------------------------------------------------- nnsight through the serve protocol
+
+
+def test_model_is_meta_only_and_isolated(iso):
+    assert iso.pid is not None and iso.pid != os.getpid()
+    assert psutil.Process(iso.pid).status() != psutil.STATUS_ZOMBIE
+    assert next(iso._module.parameters()).device.type == "meta"  # no weights here
+    assert not iso.dispatched
+    with pytest.raises(RuntimeError, match="another process"):
+        iso.llm  # noqa: B018
+    with pytest.raises(NotImplementedError, match="nv.generate"):
+        iso.generate(CLEAN, max_tokens=1)
+    assert "isolated" in repr(iso) and f"pid {iso.pid}" in repr(iso)
+
+
+def test_saves_of_several_invokes_come_back_as_a_list_in_invoke_order(iso):
+    prompts = [CLEAN, CORRUPT, "Paris is"]
+    with iso.trace(temperature=0.0, max_tokens=1) as tracer:
+        for p in prompts:
+            with tracer.invoke(p):
+                lg = iso.logits.save()
+    assert isinstance(lg, list) and len(lg) == 3
+    run = nv.generate(iso, prompts, max_tokens=1, layers=None)
+    for i in range(3):
+        assert (lg[i].cpu()[0] - run.logits[i][0]).abs().max() < 1e-4
+    with iso.trace(CLEAN, temperature=0.0, max_tokens=1):  # one invoke: the value itself
+        one = iso.logits.save()
+    assert isinstance(one, torch.Tensor) and torch.equal(one.cpu(), lg[0].cpu())
+
+
+def test_patch_reads_both_forms_of_saved_pairs(iso):
+    """One cell (one invoke: a tensor) and several (a list) give the same numbers for the same cell."""
+    one = nv.patch(iso, CLEAN, CORRUPT, " Paris", " Rome", layers=[0], positions=[3], progress=False)
+    many = nv.patch(iso, CLEAN, CORRUPT, " Paris", " Rome", layers=[0, 1], positions=[2, 3], progress=False)
+    assert abs(float(one.patched_diff[0, 0]) - float(many.patched_diff[0, 1])) < 1e-4
+    assert many.effect[0, 1] > 0.8
+
+
+def test_an_edited_file_at_the_same_path_runs_its_new_code(iso, tmp_path):
+    """The server caches client sources by file name; nnvllm's server clears them per request."""
+    import linecache
+    import runpy
+
+    from nnsight.tracing import globals as tracing_globals
+
+    script = tmp_path / "analysis.py"
+    body = ("with model.trace('{p}', temperature=0.0, max_tokens=1):\n"
+            "    h = model.transformer.h[{layer}].output.clone().save()\n")
+    ref = nv.generate(iso, CLEAN, max_tokens=1).resid[0]
+    for layer in (0, 3):
+        script.write_text(body.format(p=CLEAN, layer=layer))
+        # What a new client process (a re-run script) would do: read the file afresh.
+        tracing_globals.SOURCES.clear()
+        tracing_globals.BLOCKS.clear()
+        linecache.checkcache(str(script))
+        h = runpy.run_path(str(script), init_globals={"model": iso})["h"]
+        assert (h.cpu() - ref[layer]).abs().max() < 1e-4, layer
+
+
+# ---------------------------------------------------------------- security
+
+
+def test_every_endpoint_but_health_needs_the_token(iso):
+    import httpx
+
+    base = iso.url
+    assert base.startswith("http://127.0.0.1:")
+    assert httpx.get(base + "/health").status_code == 200
+    for method, path in [("POST", "/v1/nnsight/generate"), ("POST", "/v1/nnvllm/generate"),
+                         ("POST", "/v1/nnvllm/unembed"), ("GET", "/v1/nnvllm/info"),
+                         ("GET", "/v1/nnvllm/files"), ("POST", "/v1/nnsight/register/x")]:
+        assert httpx.request(method, base + path, content=b"x").status_code == 401, path
+        r = httpx.request(method, base + path, content=b"x", headers={"ndif-api-key": "wrong"})
+        assert r.status_code == 401, path
+    assert httpx.get(base + "/v1/nnvllm/info", headers={"ndif-api-key": iso._conn.token}).status_code == 200
+
+
+def test_nothing_listens_outside_loopback(iso):
+    procs = iso._server.members()
+    assert len(procs) >= 2  # the server and vLLM's EngineCore
+    listening = [(p.name(), c.laddr) for p in procs for c in p.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening, "expected at least the HTTP server's socket"
+    assert all(addr.ip in ("127.0.0.1", "::1") for _, addr in listening), listening
+    # This process built a meta model, whose torch TCPStore (all interfaces) must be closed.
+    mine = [c.laddr for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert all(a.ip in ("127.0.0.1", "::1") for a in mine), mine
+
+
+def test_attach_to_a_running_server_by_url_and_token(iso, toy_path):
+    with pytest.raises(ValueError, match="token="):
+        nv.load(url=iso.url)
+    with pytest.raises(PermissionError, match="refused the token"):
+        nv.load(url=iso.url, token="wrong")
+    with pytest.raises(ValueError, match="already running"):
+        nv.load(url=iso.url, token=iso._conn.token, dtype="float32")
+    other = nv.load(url=iso.url, token=iso._conn.token)
+    assert other.pid is None and other.checkpoint == toy_path
+    a = nv.generate(other, CLEAN, max_tokens=2)
+    b = nv.generate(iso, CLEAN, max_tokens=2)
+    assert a.tokens == b.tokens and torch.equal(a.resid[0], b.resid[0])
+    kinds = {e.kind for e in nv.engines()}
+    assert {"isolated", "attached"} <= kinds
+    other.close()  # detaches only: the engine is someone else's
+    with pytest.raises(RuntimeError, match="closed"):
+        nv.generate(other, CLEAN)
+    assert nv.generate(iso, CLEAN, max_tokens=2).tokens == b.tokens
+
+
+def test_files_endpoint_serves_config_and_tokenizer_but_no_weights(iso):
+    import io
+    import tarfile
+
+    r = iso._conn.request("GET", "/v1/nnvllm/files")
+    names = tarfile.open(fileobj=io.BytesIO(r.content)).getnames()
+    assert "config.json" in names and any(n.startswith("tokenizer") for n in names)
+    assert not any(n.endswith((".safetensors", ".bin", ".pt")) for n in names)
+
+
+def test_server_command_line():
+    from nnvllm.server import _parse
+
+    args, engine_args = _parse(["/m", "--port", "8123", "--token", "t", "--tensor-parallel-size", "2",
+                                "--dtype", "float32"])
+    assert (args.model, args.port, args.token, args.host) == ("/m", 8123, "t", "127.0.0.1")
+    assert engine_args == {"tensor_parallel_size": 2, "dtype": "float32"}
+    with pytest.raises(SystemExit):
+        _parse(["/m", "-tp", "2"])  # a short flag would be silently dropped by nnsight-serve
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+def test_engines_lists_isolated_and_in_process_engines_with_pid_and_memory(iso, toy_path):
+    mine = [e for e in nv.engines() if e.pid == iso.pid]
+    assert len(mine) == 1
+    e = mine[0]
+    assert e.kind == "isolated" and e.url == iso.url and e.model == iso.checkpoint
+    assert e.rss_mib > 200  # the engine's weights, KV cache and vLLM itself
+    with nv.load(toy_path, isolate=False, **engine_kwargs(1)) as local:
+        listed = {x.kind: x for x in nv.engines()}
+        assert listed["in-process"].pid == os.getpid() and listed["in-process"].url is None
+        # this process's memory, without the isolated engine's (a child of this process)
+        assert listed["in-process"].rss_mib < psutil.Process().memory_info().rss / 2**20 + 100
+        if not torch.cuda.is_available():
+            with pytest.raises(NotImplementedError, match="sleep mode needs a GPU"):
+                local.sleep()
+    assert "in-process" not in {x.kind for x in nv.engines()}
+    assert nv.generate(iso, CLEAN, max_tokens=1, layers=None).text == [" Paris"]  # unaffected
+
+
+def test_sleep_is_refused_on_cpu_with_a_clear_message(iso):
+    if torch.cuda.is_available():
+        pytest.skip("CPU behaviour")
+    for call in (iso.sleep, iso.wake):
+        with pytest.raises(NotImplementedError, match="sleep mode needs a GPU"):
+            call()
+
+
+def test_the_server_ends_itself_when_the_process_that_started_it_is_gone():
+    """A kernel killed outright runs no atexit; the server's parent watch ends the engine instead."""
+    import subprocess
+    import sys
+
+    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom nnvllm.server import _watch_parent\n"
+         f"_watch_parent({kernel.pid})\nprint('watching', flush=True)\ntime.sleep(120)"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert server.stdout.readline().strip() == "watching"
+        time.sleep(1.5)
+        assert server.poll() is None  # still serving while its parent lives
+        kernel.kill()
+        kernel.wait()
+        assert server.wait(timeout=20) == -signal.SIGTERM
+    finally:
+        for p in (kernel, server):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
+def test_five_models_in_a_row_give_their_memory_back(toy_path, tiny_paths):
+    """Load five isolated engines one after another, each closed: RSS (this process + children) is back."""
+    paths = [tiny_paths["llama"], toy_path, tiny_paths["gpt2"], tiny_paths["llama"], toy_path]
+    refs = {p: nv.reference(p, CLEAN, max_tokens=2, layers=[0, -1]) for p in set(paths)}
+    gc.collect()
+    base = _tree_rss()
+    n_servers = len(_server_procs())
+    seen = []
+    for i, path in enumerate(paths):
+        if i % 2:
+            model = nv.load(path, isolate=True, **engine_kwargs(1))
+            peak = _tree_rss()
+            run = nv.generate(model, CLEAN, max_tokens=2, layers=[0, -1])
+            model.close()
+        else:
+            with nv.load(path, isolate=True, **engine_kwargs(1)) as model:
+                peak = _tree_rss()
+                run = nv.generate(model, CLEAN, max_tokens=2, layers=[0, -1])
+        ref = refs[path]
+        assert run.tokens == ref.tokens and (run.resid[0] - ref.resid[0]).abs().max() < 1e-3
+        with pytest.raises(RuntimeError, match="closed"):
+            nv.generate(model, CLEAN)
+        del model, run
+        gc.collect()
+        after = _tree_rss()
+        seen.append((peak - base, after - base))
+        assert peak - base > 500 * 2**20  # an engine was really there
+        assert len(_server_procs()) == n_servers
+        assert after - base < 150 * 2**20, f"load {i}: RSS {(after - base) / 2**20:.0f} MiB above baseline"
+    print("RSS above baseline (MiB) while loaded / after close:",
+          [(round(p / 2**20), round(a / 2**20)) for p, a in seen])
+
+
+# ---------------------------------------------------------------- faults
+
+
+def test_a_start_that_hangs_times_out_with_the_log_tail(toy_path):
+    before = len(_server_procs())
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not start within start_timeout(.|\n)*Last lines of its log"):
+        nv.load(toy_path, isolate=True, start_timeout=4, **engine_kwargs(1))
+    assert time.monotonic() - t < 30
+    assert len(_server_procs()) == before  # stopped, nothing left running
+    with pytest.raises(ValueError, match="start_timeout"):
+        nv.load(toy_path, isolate=True, start_timeout=0)
+    with pytest.raises(TypeError, match="JSON"):
+        nv.load(toy_path, isolate=True, hf_overrides=lambda c: c)
+
+
+def test_keyboard_interrupt_mid_request_leaves_the_engine_usable(iso):
+    prompts = [f"The capital of France is {i}" for i in range(24)]
+    t = time.monotonic()
+    nv.generate(iso, prompts[:6], max_tokens=12, ignore_eos=True)
+    short = time.monotonic() - t  # a fraction of the call that gets interrupted (4x prompts, 4x steps)
+    timer = threading.Timer(short, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    finished = False
+    with pytest.raises(KeyboardInterrupt):
+        nv.generate(iso, prompts, max_tokens=48, ignore_eos=True)
+        finished = True
+        time.sleep(30)  # let a late signal land here, not in the next test
+    timer.cancel()
+    assert not finished, "the call ended before the interrupt; make it longer"
+    run = nv.generate(iso, CLEAN, max_tokens=3)  # waits for the interrupted request, then runs
+    ref = nv.reference(iso.checkpoint, CLEAN, max_tokens=3)
+    assert run.tokens == ref.tokens and (run.resid[0] - ref.resid[0]).abs().max() < 1e-3
+    with iso.trace(CLEAN, temperature=0.0, max_tokens=1):
+        lg = iso.logits.save()
+    assert int(lg.cpu().argmax()) == run.tokens[0][0]
+
+
+def test_a_killed_engine_raises_engine_died_and_restart_brings_it_back(iso):
+    # The server process killed (as by the OOM killer): its EngineCore would be left running.
+    old = iso._server
+    pids = [p.pid for p in old.members()]
+    os.kill(iso.pid, signal.SIGKILL)
+    with pytest.raises(nv.EngineDied, match=r"SIGKILL(.|\n)*model\.restart\(\)") as e:
+        nv.generate(iso, CLEAN, max_tokens=1)
+    assert isinstance(e.value, RuntimeError)
+    time.sleep(0.5)
+    assert not _alive(pids)
+    with pytest.raises(nv.EngineDied):  # it stays dead, with the same message, for traces too
+        with iso.trace(CLEAN, max_tokens=1):
+            iso.logits.save()
+    assert iso.pid not in [e.pid for e in nv.engines()]
+
+    iso.restart()  # no kernel restart
+    assert nv.generate(iso, CLEAN, max_tokens=1, layers=None).text == [" Paris"]
+
+    # Only vLLM's EngineCore killed: the HTTP server lives on, its engine does not.
+    core = [p for p in iso._server.members() if "EngineCore" in p.name()]
+    assert core, [p.name() for p in iso._server.members()]
+    pids = [p.pid for p in iso._server.members()]
+    core[0].kill()
+    core[0].wait(10)
+    with pytest.raises(nv.EngineDied, match="engine core stopped"):
+        nv.generate(iso, CLEAN, max_tokens=1)
+    time.sleep(0.5)  # the server, which was still up, was ended with the rest of the group
+    assert not _alive(pids)
+
+
+@pytest.mark.tp
+def test_tensor_parallel_isolated_engine_matches_transformers(toy_path):
+    prompts = [CLEAN, "The Eiffel Tower is in the city of"]
+    with nv.load(toy_path, isolate=True, **engine_kwargs(2)) as model:
+        run = nv.generate(model, prompts, max_tokens=3, sites=("mlp_in", "mlp_act"), ignore_eos=True)
+        lens = nv.logit_lens(model, CLEAN, max_tokens=2)
+    ref = nv.reference(toy_path, prompts, max_tokens=3, sites=("mlp_in", "mlp_act"), ignore_eos=True)
+    assert run.meta["tp"] == 2 and run.tokens == ref.tokens
+    for i in range(2):
+        assert (run.resid[i] - ref.resid[i]).abs().max() < 1e-3
+        assert (run.logits[i] - ref.logits[i]).abs().max() < 1e-3
+        for s in ("mlp_in", "mlp_act"):
+            assert (run.sites[s][i] - ref.sites[s][i]).abs().max() < 1e-3
+    assert lens.top_ids[-1, len(run.prompt_ids[0]) - 1, 0] == run.tokens[0][0]
