@@ -45,6 +45,7 @@ demo: setup
 test: setup browser
 	$(BIN)/python -m pytest -q -ra tests/ --tp 1
 	$(BIN)/python -m pytest -q -ra tests/test_vllm.py --tp $(TP)
+	$(BIN)/python -m pytest -q -ra tests/test_isolated.py -m tp --tp $(TP)
 	$(BIN)/python -m pytest -q -ra --nbmake notebooks/
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 

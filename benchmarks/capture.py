@@ -64,7 +64,7 @@ def main() -> None:
     prompts = [words[i % len(words)] for i in range(args.prompts)]
     T, L = args.tokens, args.layers
 
-    model = nv.load(path)
+    model = nv.load(path, isolate=False)  # bare generate needs the engine in this process
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
