@@ -29,8 +29,9 @@ from .arch import Arch, arch_for, untie_shared_modules
 
 __all__ = ["load", "engines", "EngineInfo", "cpu_defaults", "has_cuda"]
 
-# Measured on the 2-core dev machine (see docs/engine.md): in-process engine starts in ~3 s
-# against ~17 s with vLLM's engine process; a 256 MiB KV cache holds 1,000s of toy tokens.
+# 256 MiB: the toy model needs 3 KiB of KV cache per token (6 layers x K,V x 64 x fp32), so this
+# holds ~87k tokens; the engine starts without sizing the cache from the NUMA node (docs/engines.md
+# has the start-time measurements).
 _CPU_KV_CACHE_BYTES = 256 * 2**20
 
 
