@@ -32,3 +32,12 @@ def test_environment_yml_matches_pyproject():
 def test_toy_model_is_package_data():
     py = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert "toy_model/*" in py["tool"]["setuptools"]["package-data"]["nnvllm"]
+
+
+def test_environment_yml_names_the_gpu_pin():
+    """The CUDA recipe in environment.yml's header is the `gpu` extra, character for character."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (gpu,) = extras["gpu"]
+    assert gpu.startswith("vllm>=") and "<" in gpu, f"the gpu extra should pin a range, got {gpu!r}"
+    header = (ROOT / "environment.yml").read_text().split("name:", 1)[0]
+    assert gpu in header, f"environment.yml's header should name {gpu!r} for CUDA machines"
