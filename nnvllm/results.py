@@ -1,4 +1,4 @@
-"""Plain result containers: CPU tensors in dataclasses, with tidy tables and save/load.
+"""Plain result containers: CPU tensors in dataclasses, with tidy tables and safe save/load.
 
 Dimension names used everywhere: ``request, layer, pos, step, d_model, d_vocab, k``.
 A request's positions are its prompt tokens followed by each generated token that was fed back,
@@ -7,14 +7,19 @@ so ``pos`` runs over ``prompt_len + steps - 1`` entries (the last sampled token 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["Samples", "Run"]
+__all__ = ["Run", "Samples"]
 
 
 @dataclass
@@ -105,13 +110,197 @@ class Run:
         return pd.DataFrame(rows)
 
     def save(self, path: str | Path) -> None:
-        """Write the run to ``path`` (a torch file; tensors stay tensors)."""
-        d = asdict(self)
-        torch.save(d, Path(path))
+        """Write the run to ``path`` as one safetensors file that cannot run code when read.
+
+        Every tensor is stored under a key (``resid/0``, ``sites/attn/3``, ``logits/2``,
+        ``samples/1/top_ids``); the rest (prompts, ids, text, layers, sampling, meta) is JSON in the
+        file's metadata, with a format tag (``nnvllm.run/2``) and a sha256 of the tensors, so a
+        damaged file is refused on :meth:`load`. The write is atomic: a temporary file in the same
+        directory is renamed over ``path`` only once complete, so an interrupted save keeps the
+        previous file. ``sampling`` and ``meta`` must be JSON-serialisable (tuples come back as lists).
+
+        Example:
+            >>> run.save("run.safetensors")                        # doctest: +SKIP
+            >>> nv.Run.load("run.safetensors").text == run.text    # doctest: +SKIP
+            True
+        """
+        tensors: dict[str, Tensor] = {}
+        n = len(self.prompts)
+        for i in range(n):
+            if self.resid is not None:
+                tensors[f"resid/{i}"] = self.resid[i]
+            for name, per in self.sites.items():
+                tensors[f"sites/{name}/{i}"] = per[i]
+            if self.logits is not None:
+                tensors[f"logits/{i}"] = self.logits[i]
+            for f in _SAMPLE_FIELDS:
+                tensors[f"samples/{i}/{f}"] = getattr(self.samples[i], f)
+        info = {
+            "n": n, "prompts": self.prompts, "prompt_ids": self.prompt_ids, "tokens": self.tokens,
+            "text": self.text, "layers": self.layers, "sampling": self.sampling, "meta": self.meta,
+            "resid": self.resid is not None, "logits": self.logits is not None, "sites": list(self.sites),
+        }
+        save_tensors(tensors, path, {"nnvllm.run": _to_json(info, "Run")}, fmt=RUN_FORMAT)
 
     @classmethod
-    def load(cls, path: str | Path) -> "Run":
-        """Read a run written by :meth:`save`."""
-        d = torch.load(Path(path), weights_only=False)
-        d["samples"] = [Samples(**s) for s in d["samples"]]
-        return cls(**d)
+    def load(cls, path: str | Path) -> Run:
+        """Read a run written by :meth:`save`; never unpickles.
+
+        Raises:
+            ValueError: the file is truncated, damaged (checksum mismatch), not an nnvllm run, or an
+                old torch-pickle run file (those can run code when read; see the message).
+        """
+        tensors, meta = load_tensors(path, fmt=RUN_FORMAT)
+        try:
+            info = json.loads(meta["nnvllm.run"])
+            n = info["n"]
+            return cls(
+                prompts=info["prompts"], prompt_ids=info["prompt_ids"], tokens=info["tokens"],
+                text=info["text"],
+                logits=[tensors[f"logits/{i}"] for i in range(n)] if info["logits"] else None,
+                samples=[Samples(**{f: tensors[f"samples/{i}/{f}"] for f in _SAMPLE_FIELDS}) for i in range(n)],
+                resid=[tensors[f"resid/{i}"] for i in range(n)] if info["resid"] else None,
+                layers=info["layers"],
+                sites={s: [tensors[f"sites/{s}/{i}"] for i in range(n)] for s in info["sites"]},
+                sampling=info["sampling"], meta=info["meta"],
+            )
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{str(path)!r} is damaged: its run description is incomplete ({e!r}); "
+                             "re-create it") from None
+
+
+# ---------------------------------------------------------------- safe files (also used by store.py)
+# One safetensors file: tensors + str->str metadata. safetensors parses a JSON header and copies raw
+# bytes, so reading a file cannot run code (torch.load(weights_only=False) unpickles, which can).
+
+RUN_FORMAT = "nnvllm.run/2"
+_SAMPLE_FIELDS = ("ids", "probs", "top_ids", "top_probs")
+_MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
+
+
+def _to_json(obj: Any, what: str) -> str:
+    def default(x):
+        if isinstance(x, (np.integer, np.floating, np.bool_)):
+            return x.item()
+        raise TypeError(
+            f"{what} holds {x!r} ({type(x).__name__}), which cannot be saved; its metadata (sampling, meta, "
+            "ids, text) must be JSON values: str, int, float, bool, None, lists and dicts")
+    return json.dumps(obj, default=default, ensure_ascii=False)
+
+
+def tensor_digest(tensors: dict[str, Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order (independent of layout)."""
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k].detach()
+        h.update(f"{k}\0{t.dtype!s}\0{tuple(t.shape)}\0".encode())
+        if t.numel():
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of a whole file, read in 16 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _packed(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Contiguous CPU tensors that share no memory (what safetensors accepts).
+
+    Views into one shared buffer are copied one at a time by ``.contiguous()``; a tensor that is
+    already contiguous and overlaps one seen before (the same tensor twice) is cloned.
+    """
+    out, seen = {}, set()
+    for k, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        span = (t.untyped_storage().data_ptr(), t.data_ptr(), t.numel() * t.element_size())
+        if t.numel() and span in seen:
+            t = t.clone()
+        seen.add(span)
+        out[k] = t
+    return out
+
+
+def save_tensors(tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str], *, fmt: str) -> None:
+    """Atomically write ``tensors`` and ``metadata`` (+ ``format`` and ``sha256``) to ``path``."""
+    import safetensors.torch
+
+    path = Path(path)
+    tensors = _packed(tensors)
+    meta = {**metadata, "format": fmt, "sha256": tensor_digest(tensors)}
+    atomic_write(path, lambda tmp: safetensors.torch.save_file(tensors, tmp, metadata=meta))
+
+
+def atomic_write(path: Path, write) -> None:
+    """Call ``write(tmp)`` on a temporary name beside ``path``, flush it to disk, rename it over ``path``.
+
+    The rename is atomic on POSIX filesystems, so ``path`` is always either the old file or the
+    complete new one; on any error the temporary file is removed and the old file is untouched.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_header(path: str | Path, *, fmt: str) -> tuple[dict, dict[str, str]]:
+    """Return (tensor entries, metadata) of a safetensors file, or a ValueError saying what is wrong.
+
+    Checks, without reading the tensors: not an old torch pickle, a parseable header, the expected
+    ``format``, and a file long enough for every tensor (truncation).
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+            raise ValueError(
+                f"{str(path)!r} is an old torch-pickle file (nnvllm < 0.2 saved runs that way), not the "
+                f"safe {fmt} format. Reading it runs whatever code it holds, so nnvllm refuses. If you "
+                "trust its source, read it with torch.load(path, weights_only=False), rebuild the Run "
+                "from the dict, and save it again to convert it.")
+        if len(head) < 8:
+            raise ValueError(f"{str(path)!r} is truncated ({size} bytes): not a complete {fmt} file; re-create it")
+        n = struct.unpack("<Q", head)[0]
+        if n > _MAX_HEADER:
+            raise ValueError(f"{str(path)!r} is not a {fmt} file (no safetensors header)")
+        if 8 + n > size:
+            raise ValueError(f"{str(path)!r} is truncated: its header needs {8 + n} bytes, the file has "
+                             f"{size}; re-create it")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        meta = header.pop("__metadata__", None) or {}
+        end = max((int(e["data_offsets"][1]) for e in header.values()), default=0)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
+        raise ValueError(f"{str(path)!r} is damaged or not a {fmt} file: its header cannot be read") from None
+    if meta.get("format") != fmt:
+        raise ValueError(f"{str(path)!r} is not a {fmt} file (format={meta.get('format')!r})")
+    if 8 + n + end > size:
+        raise ValueError(f"{str(path)!r} is truncated: {8 + n + end} bytes expected, {size} found; re-create it")
+    return header, meta
+
+
+def load_tensors(path: str | Path, *, fmt: str) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Read every tensor of a file written by :func:`save_tensors` and check its checksum."""
+    from safetensors import SafetensorError, safe_open
+
+    _, meta = read_header(path, fmt=fmt)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    except SafetensorError as e:
+        raise ValueError(f"{str(path)!r} is damaged ({e}); re-create it") from None
+    if tensor_digest(tensors) != meta.get("sha256"):
+        raise ValueError(f"{str(path)!r} is damaged: checksum mismatch; re-create it")
+    return tensors, meta
