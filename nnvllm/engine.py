@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import _compat
 from .arch import Arch, arch_for, untie_shared_modules
 
 __all__ = ["load", "engines", "EngineInfo", "cpu_defaults", "has_cuda"]
@@ -242,6 +243,7 @@ def _check_sleep(platform_ok: bool, enabled: bool) -> None:
 
 def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engine_args: Any):
     """Build and dispatch nnvllm's model class in this process (``mode="async"``: the server's AsyncLLM)."""
+    _compat.check_versions()
     path, cfg = _resolve(model)
     arch = arch_for(cfg.get("architectures"), where=repr(path))
     GPUModel, CPUModel = _model_classes()
@@ -392,6 +394,7 @@ def load(
     arch = arch_for(cfg.get("architectures"), where=repr(path))
     if not has_cuda():
         engine_args = {**cpu_defaults(int(engine_args.get("tensor_parallel_size", 1))), **engine_args}
+    _compat.check_versions()
     m = isolated.start(_client_class(), path, arch, engine_args, start_timeout)
     _track(m)
     return m
