@@ -22,12 +22,12 @@ from .sampling import sample_stats, sampling_probs
 __all__ = ["reference", "load_reference"]
 
 
-@functools.lru_cache(maxsize=2)
-def load_reference(path: str, dtype: str = "float32"):
-    """Return ``(hf_model, tokenizer)`` for ``path`` in eval mode (cached: the last two are kept)."""
+@functools.lru_cache(maxsize=4)
+def load_reference(path: str, dtype: str = "float32", device: str = "cpu"):
+    """Return ``(hf_model, tokenizer)`` for ``path`` in eval mode on ``device`` (cached: the last four are kept)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
 
@@ -38,7 +38,7 @@ def _forward_capture(model, arch, ids: list[int], layer_ids: list[int], wanted: 
     handles = []
 
     def put(key, x):
-        got[key] = x[0].detach().float().clone()
+        got[key] = x[0].detach().float().cpu().clone()
 
     for j, layer in enumerate(layer_ids):
         b = blocks[layer]
@@ -66,7 +66,7 @@ def _forward_capture(model, arch, ids: list[int], layer_ids: list[int], wanted: 
                         lambda m, a, o, j=j: put(("up", j), o)))
     try:
         with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].float()
+            logits = model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()
     finally:
         for h in handles:
             h.remove()
@@ -93,6 +93,7 @@ def reference(
     ignore_eos: bool = False,
     tokens: list[list[int]] | None = None,
     dtype: str = "float32",
+    device: str | torch.device = "cpu",
 ) -> Run:
     """Generate with plain transformers and capture what :func:`nnvllm.generate` captures.
 
@@ -101,6 +102,9 @@ def reference(
         tokens: replay these generated ids per prompt instead of generating (teacher forcing),
             e.g. ``tokens=run.tokens`` to compare with a vLLM run position by position.
         dtype: "float32" (default), "bfloat16" or "float16".
+        device: where transformers runs ("cpu", the default, or e.g. "cuda"); the returned tensors
+            are on the CPU either way. On a GPU, fp32 matmuls follow torch's TF32 setting
+            (``torch.backends.cuda.matmul.allow_tf32``, off by default).
 
     The other arguments are those of :func:`nnvllm.generate`. Sampling (temperature > 0) uses
     torch's RNG seeded with ``seed``, so its draws differ from vLLM's; pass ``tokens`` to compare.
@@ -117,7 +121,7 @@ def reference(
     bad = [s for s in sites if s not in SITES or s == "resid"]
     if bad:
         raise ValueError(f"sites={list(sites)!r}: unknown {bad}; choose from {list(SITES[1:])}")
-    model, tok = load_reference(str(path), dtype)
+    model, tok = load_reference(str(path), dtype, str(torch.device(device)))
     cfg = json.loads((Path(path) / "config.json").read_text()) if Path(path).is_dir() else model.config.to_dict()
     arch = arch_for(cfg.get("architectures"), where=repr(path))
     layer_ids = _layers(layers, len(model.get_submodule(arch.blocks)))
@@ -129,7 +133,7 @@ def reference(
               resid=[] if layer_ids else None, layers=layer_ids, sites={s: [] for s in wanted if s != "resid"},
               sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             top_k=top_k, ignore_eos=ignore_eos),
-              meta=dict(engine="transformers", model=str(path), dtype=dtype, tp=1))
+              meta=dict(engine="transformers", model=str(path), dtype=dtype, tp=1, device=str(torch.device(device))))
     for i, prompt in enumerate(prompts):
         p_ids = tok.encode(prompt)
         if tokens is not None:
@@ -138,7 +142,7 @@ def reference(
             toks = []
             for _ in range(max_tokens):
                 with torch.no_grad():
-                    last = model(torch.tensor([p_ids + toks])).logits[0, -1].float()
+                    last = model(torch.tensor([p_ids + toks], device=model.device)).logits[0, -1].float().cpu()
                 if temperature == 0:
                     nxt = int(last.argmax())
                 else:
