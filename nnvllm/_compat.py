@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["check_versions", "SUPPORTED_VLLM", "SUPPORTED_NNSIGHT", "SKIP_ENV"]
+__all__ = ["SKIP_ENV", "SUPPORTED_NNSIGHT", "SUPPORTED_VLLM", "check_versions"]
 
 SKIP_ENV = "NNVLLM_SKIP_VERSION_CHECK"
 

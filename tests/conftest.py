@@ -74,3 +74,153 @@ def toy(toy_path, tp):
     model = _engine(toy_path, tp)
     yield model
     model.close()
+
+
+# ------------------------------------------------------------------ fidelity: vLLM vs transformers
+
+TF32_FACTOR = 4.0
+
+
+def max_abs_diff(a, b) -> float:
+    """max |a - b| over all elements (tensors of one shape, or two numbers), as a Python float."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a, b = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
+        assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+        return (a.float() - b.float()).abs().max().item()
+    return abs(float(a) - float(b))
+
+
+class _TF32:
+    """Context manager: TF32 for fp32 matmuls (cuBLAS) and convolutions (cuDNN) on or off."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        import torch
+
+        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.on
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+
+
+class Reference:
+    """A transformers value computed where the engine runs, and the bound vLLM's value is held to.
+
+    ``value`` is what the test compares against: transformers on the CPU in a CPU run; transformers
+    in fp32 on the engine's GPU, TF32 off, in a GPU run. ``bound(cpu_bound, get)`` is
+    ``cpu_bound`` on the CPU; on a GPU it is ``max(cpu_bound, TF32_FACTOR * d)`` where ``d`` is the
+    distance, for the same quantity ``get(...)``, between transformers on that GPU with TF32
+    *enabled* and transformers on the CPU: the spread that ordinary fp32 GPU kernels produce on this
+    model and input, measured, not guessed.
+    """
+
+    def __init__(self, value, cpu=None, tf32=None):
+        self.value, self._cpu, self._tf32 = value, cpu, tf32
+
+    @property
+    def calibrated(self) -> bool:
+        return self._cpu is not None
+
+    def tf32_distance(self, get=lambda x: x, dist=max_abs_diff) -> float | None:
+        """dist(get(transformers GPU, TF32 on), get(transformers CPU)); None on a CPU run."""
+        return float(dist(get(self._tf32), get(self._cpu))) if self.calibrated else None
+
+    def bound(self, cpu_bound: float, get=lambda x: x, dist=max_abs_diff) -> float:
+        """The bound for quantity ``get(reference)``: ``cpu_bound`` on CPU, calibrated on a GPU."""
+        d = self.tf32_distance(get, dist)
+        return cpu_bound if d is None else max(cpu_bound, TF32_FACTOR * d)
+
+    def check(self, actual, cpu_bound: float, get=lambda x: x, what: str = "") -> float:
+        """Assert ``max|actual - get(value)| < bound(cpu_bound, get)``; return the distance."""
+        return self.check_distance(max_abs_diff(actual, get(self.value)), cpu_bound,
+                                   lambda a, b: max_abs_diff(get(a), get(b)), what)
+
+    def check_distance(self, d: float, cpu_bound: float, dist, what: str = "") -> float:
+        """Assert ``d < bound``, the bound calibrated with ``dist(tf32_ref, cpu_ref)`` (a distance between
+        two references of the kind the test measured ``d`` with, e.g. a ``nv.compare`` summary entry)."""
+        t = self.tf32_distance(dist=dist)
+        b = cpu_bound if t is None else max(cpu_bound, TF32_FACTOR * t)
+        _FIDELITY_LOG.append({"test": os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0],
+                              "what": str(what), "max_abs": d, "bound": b, "cpu_bound": cpu_bound,
+                              "tf32_vs_cpu": t, "device": "cpu" if t is None else "cuda"})
+        how = "CPU bound" if t is None else (
+            f"max(CPU bound {cpu_bound:g}, {TF32_FACTOR:g} x transformers GPU-TF32-vs-CPU {t:.3g})")
+        assert d < b, f"{what}: vLLM vs transformers max|Δ| = {d:.3g}, bound {b:.3g} ({how})"
+        return d
+
+
+class Fidelity:
+    """Transformers references for fidelity asserts, on the device the engine runs on.
+
+    On CPU: transformers on the CPU, and every bound is the test's fixed CPU bound (unchanged).
+    On a GPU: transformers in fp32 on the same GPU (TF32 off, torch's default), so that the device
+    itself is not part of the difference; each bound is derived per quantity from a measured
+    distance — transformers on the GPU with TF32 enabled vs transformers on the CPU — times
+    ``TF32_FACTOR`` (4), floored at the CPU bound. That is the scale of error fp32 GPU kernels that
+    take TF32-like shortcuts (as vLLM's Triton attention and fused ops may) make on this model; a
+    real bug (wrong layer, wrong position, missing residual) is orders of magnitude larger.
+    """
+
+    def __init__(self, device: str):
+        self.device = device
+
+    @property
+    def gpu(self) -> bool:
+        return self.device != "cpu"
+
+    def calibrated(self, compute) -> Reference:
+        """``compute(device)`` -> a value on the CPU; run here, and on a GPU also with TF32 and on CPU."""
+        if not self.gpu:
+            return Reference(compute("cpu"))
+        with _TF32(False):
+            value = compute(self.device)
+        with _TF32(True):
+            fast = compute(self.device)
+        return Reference(value, compute("cpu"), fast)
+
+    def reference(self, path, prompts, **kw) -> Reference:
+        """``nv.reference(path, prompts, **kw)`` here; on a GPU the calibration runs replay its tokens."""
+        import nnvllm as nv
+
+        if not self.gpu:
+            return Reference(nv.reference(path, prompts, **kw))
+        with _TF32(False):
+            value = nv.reference(path, prompts, device=self.device, **kw)
+        forced = {**kw, "tokens": value.tokens}  # calibrate on the same positions, even if TF32 flips a token
+        with _TF32(True):
+            fast = nv.reference(path, prompts, device=self.device, **forced)
+        return Reference(value, nv.reference(path, prompts, **forced), fast)
+
+
+_FIDELITY_LOG: list[dict] = []
+
+
+@pytest.fixture(scope="session")
+def fidelity() -> Fidelity:
+    """References and bounds for every assert that compares vLLM with transformers (see :class:`Fidelity`)."""
+    import torch
+
+    return Fidelity("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """On a GPU, list each fidelity check's distance and calibrated bound (NNVLLM_FIDELITY_JSON: also as JSON)."""
+    rows = [r for r in _FIDELITY_LOG if r["device"] != "cpu"]
+    out = os.environ.get("NNVLLM_FIDELITY_JSON")
+    if out and _FIDELITY_LOG:
+        import json
+
+        with open(out, "w") as f:
+            json.dump({"factor": TF32_FACTOR, "checks": _FIDELITY_LOG}, f, indent=1)
+    if rows:
+        terminalreporter.section(f"fidelity bounds (GPU: max(CPU bound, {TF32_FACTOR:g} x TF32-vs-CPU))")
+        for r in rows:
+            terminalreporter.write_line(f"{r['max_abs']:9.3g} < {r['bound']:9.3g}  (CPU {r['cpu_bound']:g}, "
+                                        f"TF32-vs-CPU {r['tf32_vs_cpu']:.3g})  {r['test']} {r['what']}")

@@ -1,4 +1,7 @@
-"""Logit lens, patching and discrepancy reports on the real engine, proven against transformers."""
+"""Logit lens, patching and discrepancy reports on the real engine, proven against transformers.
+
+Bounds are CPU bounds; on a GPU the ``fidelity`` fixture (conftest.py) compares with transformers on
+the same GPU and calibrates each bound from transformers' own TF32-vs-CPU distance."""
 
 from __future__ import annotations
 
@@ -11,20 +14,20 @@ from nnvllm.reference import load_reference
 CLEAN, CORRUPT = "The capital of France is", "The capital of Italy is"
 
 
-def _hf_lens_probs(path, ids):
-    """[layer, pos, d_vocab] lens probabilities computed with plain transformers."""
-    hf, _ = load_reference(path)
+def _hf_lens_probs(path, ids, device="cpu"):
+    """[layer, pos, d_vocab] lens probabilities computed with plain transformers on ``device`` (returned on CPU)."""
+    hf, _ = load_reference(path, "float32", device)
     arch = nv.arch.arch_for(hf.config.architectures)
     out = {}
     blocks = hf.get_submodule(arch.blocks)
     hooks = [b.register_forward_hook(lambda m, a, o, i=i: out.__setitem__(i, (o[0] if isinstance(o, tuple) else o)[0]))
              for i, b in enumerate(blocks)]
     with torch.no_grad():
-        hf(torch.tensor([ids]))
+        hf(torch.tensor([ids], device=device))
         for h in hooks:
             h.remove()
         norm, head = hf.get_submodule(arch.final_norm), hf.get_submodule(arch.unembed)
-        return torch.stack([head(norm(out[i])).float().softmax(-1) for i in range(len(blocks))])
+        return torch.stack([head(norm(out[i])).float().softmax(-1) for i in range(len(blocks))]).cpu()
 
 
 def test_lens_last_layer_is_the_engines_next_token_distribution(toy):
@@ -41,12 +44,13 @@ def test_lens_last_layer_is_the_engines_next_token_distribution(toy):
         assert abs(lens.prob_of(tok)[-1, P - 1 + t] - engine[tok]) < 1e-4
 
 
-def test_lens_matches_transformers_at_every_layer_and_position(toy, toy_path):
+def test_lens_matches_transformers_at_every_layer_and_position(toy, toy_path, fidelity):
     lens = nv.logit_lens(toy, CLEAN, max_tokens=3, ignore_eos=True)
     seq = toy.tokenizer.encode(CLEAN) + lens.generated[:-1]
-    ref = _hf_lens_probs(toy_path, seq)
-    assert (lens.top_probs - ref.topk(5, dim=-1).values).abs().max() < 1e-4
-    assert (lens.prob_of(" Paris") - ref[..., toy.tokenizer.encode(" Paris")[0]]).abs().max() < 1e-4
+    hf = fidelity.calibrated(lambda device: _hf_lens_probs(toy_path, seq, device))
+    hf.check(lens.top_probs, 1e-4, lambda ref: ref.topk(5, dim=-1).values, "top-5 lens probs")
+    paris = toy.tokenizer.encode(" Paris")[0]
+    hf.check(lens.prob_of(" Paris"), 1e-4, lambda ref: ref[..., paris], "lens P(Paris)")
 
 
 def test_toy_answer_emerges_in_later_layers_under_the_lens(toy):
@@ -70,8 +74,8 @@ def test_lens_rejects_bad_input(toy):
         lens.prob_of(" Paris is")
 
 
-def _hf_patched_diff(path, clean, corrupt, layer, pos, answer, wrong):
-    hf, tok = load_reference(path)
+def _hf_patched_diff(path, clean, corrupt, layer, pos, answer, wrong, device="cpu"):
+    hf, tok = load_reference(path, "float32", device)
     blocks = hf.get_submodule(nv.arch.arch_for(hf.config.architectures).blocks)
     saved = {}
 
@@ -80,7 +84,7 @@ def _hf_patched_diff(path, clean, corrupt, layer, pos, answer, wrong):
 
     h = blocks[layer].register_forward_hook(lambda m, a, o: saved.__setitem__("x", first(o)[0, pos].clone()))
     with torch.no_grad():
-        hf(torch.tensor([tok.encode(clean)]))
+        hf(torch.tensor([tok.encode(clean)], device=device))
     h.remove()
 
     def write(m, a, o):
@@ -90,21 +94,22 @@ def _hf_patched_diff(path, clean, corrupt, layer, pos, answer, wrong):
 
     h = blocks[layer].register_forward_hook(write)
     with torch.no_grad():
-        lg = hf(torch.tensor([tok.encode(corrupt)])).logits[0, -1]
+        lg = hf(torch.tensor([tok.encode(corrupt)], device=device)).logits[0, -1]
     h.remove()
     a, w = tok.encode(answer)[0], tok.encode(wrong)[0]
     return float(lg[a] - lg[w])
 
 
-def test_patch_matches_transformers_and_finds_the_subject(toy, toy_path):
+def test_patch_matches_transformers_and_finds_the_subject(toy, toy_path, fidelity):
     res = nv.patch(toy, clean=CLEAN, corrupt=CORRUPT, answer=" Paris", wrong=" Rome", progress=False)
     n = len(toy.tokenizer.encode(CLEAN))
     assert res.effect.shape == (toy.n_layers, n)
     subject = 3  # " France" / " Italy"
     assert res.labels[subject] == " France"
     for layer, pos in [(0, subject), (2, subject), (3, n - 1), (5, 0)]:
-        ref = _hf_patched_diff(toy_path, CLEAN, CORRUPT, layer, pos, " Paris", " Rome")
-        assert abs(float(res.patched_diff[layer, pos]) - ref) < 1e-3, (layer, pos)
+        hf = fidelity.calibrated(lambda device, layer=layer, pos=pos: _hf_patched_diff(
+            toy_path, CLEAN, CORRUPT, layer, pos, " Paris", " Rome", device))
+        hf.check(float(res.patched_diff[layer, pos]), 1e-3, what=f"patched_diff{(layer, pos)}")
     assert res.effect[0, subject] > 0.8  # the subject carries the fact early on
     assert res.effect[0, :subject].abs().max() < 0.05  # earlier positions carry nothing
     assert res.effect[-1, n - 1] > 0.99 and abs(res.effect[-1, subject]) < 0.05  # moved to the end
@@ -127,13 +132,20 @@ def test_patch_other_sites_and_subsets(toy):
         nv.patch(toy, CLEAN, CORRUPT, " Paris", " Rome", layers=[99])
 
 
-def test_compare_vllm_with_transformers_fp32(toy, toy_path):
+def _summary(key, of=lambda v: v):
+    """A distance between two reference runs: one entry of their nv.compare summary (for calibration)."""
+    return lambda a, b: of(nv.compare(a, b).summary()[key])
+
+
+def test_compare_vllm_with_transformers_fp32(toy, toy_path, fidelity):
     prompts = [CLEAN, "The Eiffel Tower is in the city of"]
     run = nv.generate(toy, prompts, max_tokens=4, ignore_eos=True)
-    ref = nv.reference(toy_path, prompts, max_tokens=4, ignore_eos=True)
-    d = nv.compare(run, ref, names=("vllm", "hf"))
+    hf = fidelity.reference(toy_path, prompts, max_tokens=4, ignore_eos=True)
+    d = nv.compare(run, hf.value, names=("vllm", "hf"))
     s = d.summary()
-    assert s["max_abs"] < 1e-3 and s["min_cosine"] > 0.99999 and s["max_kl"] < 1e-6
+    hf.check_distance(s["max_abs"], 1e-3, _summary("max_abs"), "max_abs")
+    hf.check_distance(1 - s["min_cosine"], 1 - 0.99999, _summary("min_cosine", lambda c: 1 - c), "1 - min_cosine")
+    hf.check_distance(s["max_kl"], 1e-6, _summary("max_kl"), "max_kl")
     assert s["token_agreement"] == 1.0 and d.fork == [None, None]
     assert len(d.resid) == toy.n_layers * sum(run.positions(i) for i in range(2))
     assert d.plot() is not None
@@ -150,13 +162,14 @@ def test_compare_clean_vs_corrupt_run_shows_the_fork_and_compares_only_shared_pr
     assert d.summary()["max_abs"] == 0.0
 
 
-def test_patch_a_generated_step_matches_transformers(toy, toy_path):
+def test_patch_a_generated_step_matches_transformers(toy, toy_path, fidelity):
     """step=1: the token fed at decode step 1 (" Paris" vs " Rome") is patched; step 1's logits measured."""
     res = nv.patch(toy, CLEAN, CORRUPT, ".", " Paris", step=1, progress=False)
     n = len(toy.tokenizer.encode(CLEAN))
     assert res.positions == [n] and res.labels == [" Paris"] and res.step == 1
     for layer in (0, 3, 5):
-        ref = _hf_patched_diff(toy_path, CLEAN + " Paris", CORRUPT + " Rome", layer, n, ".", " Paris")
-        assert abs(float(res.patched_diff[layer, 0]) - ref) < 1e-3, layer
+        hf = fidelity.calibrated(lambda device, layer=layer: _hf_patched_diff(
+            toy_path, CLEAN + " Paris", CORRUPT + " Rome", layer, n, ".", " Paris", device))
+        hf.check(float(res.patched_diff[layer, 0]), 1e-3, what=f"patched_diff[{layer}, 0]")
     with pytest.raises(ValueError, match="one position"):
         nv.patch(toy, CLEAN, CORRUPT, ".", " Paris", step=1, positions=[2])

@@ -1,7 +1,9 @@
 """The seed's four vLLM cases, made to pass for real. Run as ``pytest tests/test_vllm.py --tp N``.
 
 With ``--tp 2`` every engine here runs under tensor parallelism (CPU: one core per rank) and the
-TP-only test runs too.
+TP-only test runs too. Bounds against transformers are CPU bounds; on a GPU the ``fidelity`` fixture
+(conftest.py) compares with transformers on the same GPU and calibrates each bound from
+transformers' own TF32-vs-CPU distance.
 """
 
 from __future__ import annotations
@@ -47,34 +49,40 @@ def test_sampling_exposes_the_sampled_tokens(toy):
     assert [int(s.flatten()[0]) for s in samples] == list(result.outputs[0].token_ids)
 
 
-def test_multiply_referenced_module_gives_each_block_its_own_value(toy, toy_path, tp):
+def _mlp_act_reference(toy_path, device="cpu"):
+    """{block: [pos, 4d]} GPT-2 activation outputs (c_proj's input) for PROMPT, by transformers on ``device``."""
+    hf, tok = load_reference(toy_path, "float32", device)
+    ref = {}
+    hooks = [hf.transformer.h[i].mlp.c_proj.register_forward_pre_hook(
+        lambda m, a, i=i: ref.__setitem__(i, a[0][0].cpu().clone())) for i in range(3)]
+    with torch.no_grad():
+        hf(torch.tensor([tok.encode(PROMPT)], device=device))
+    for h in hooks:
+        h.remove()
+    return ref
+
+
+def test_multiply_referenced_module_gives_each_block_its_own_value(toy, toy_path, tp, fidelity):
     with toy.trace(PROMPT, temperature=0.0, max_tokens=1):
         acts = torch.stack([toy.transformer.h[i].mlp.act.output.clone() for i in range(3)]).save()
     acts = acts.cpu()  # a trace's saves stay on the engine's device
-    hf, tok = load_reference(toy_path)
-    ref = {}
-    hooks = [hf.transformer.h[i].mlp.c_proj.register_forward_pre_hook(
-        lambda m, a, i=i: ref.__setitem__(i, a[0][0].clone())) for i in range(3)]
-    with torch.no_grad():
-        hf(torch.tensor([tok.encode(PROMPT)]))
-    for h in hooks:
-        h.remove()
+    hf = fidelity.calibrated(lambda device: _mlp_act_reference(toy_path, device))
     # Under TP a trace reads the activation module's output as this rank's slice of the width
     # (nnsight gathers parallel *linear* outputs, not an activation's): rank 0 holds the first slice.
     w = acts.shape[-1]
     assert w == 256 // tp
     assert (acts[0] - acts[1]).abs().max() > 1e-2  # nnsight alone returns block 0's value twice
     for i in range(3):
-        assert (acts[i] - ref[i][:, :w]).abs().max() < 1e-3, i
+        hf.check(acts[i], 1e-3, lambda r, i=i: r[i][:, :w], f"trace h[{i}].mlp.act")
     # nnvllm's own capture gathers the full width under any TP size
     run = nv.generate(toy, PROMPT, max_tokens=1, layers=[0, 1, 2], sites=("mlp_act",))
     assert run.sites["mlp_act"][0].shape[-1] == 256
     for i in range(3):
-        assert (run.sites["mlp_act"][0][i] - ref[i]).abs().max() < 1e-3, i
+        hf.check(run.sites["mlp_act"][0][i], 1e-3, lambda r, i=i: r[i], f"generate mlp_act[{i}]")
 
 
-def _zero_cfc_reference(toy_path, cols):
-    hf, tok = load_reference(toy_path)
+def _zero_cfc_reference(toy_path, cols, device="cpu"):
+    hf, tok = load_reference(toy_path, "float32", device)
 
     def zero(m, a, o):
         o = o.clone()
@@ -83,12 +91,12 @@ def _zero_cfc_reference(toy_path, cols):
 
     h = hf.transformer.h[0].mlp.c_fc.register_forward_hook(zero)
     with torch.no_grad():
-        logits = hf(torch.tensor([tok.encode(PROMPT)])).logits[0, -1]
+        logits = hf(torch.tensor([tok.encode(PROMPT)], device=device)).logits[0, -1]
     h.remove()
-    return logits
+    return logits.cpu()
 
 
-def test_column_parallel_intervention_covers_full_width_and_changes_the_token(toy, toy_path, tp):
+def test_column_parallel_intervention_covers_full_width_and_changes_the_token(toy, toy_path, tp, fidelity):
     """Zero columns 32..224 of block 0's c_fc output: under TP=2 that spans both ranks' slices."""
     d = 64
     cols = (32, 224)
@@ -104,22 +112,23 @@ def test_column_parallel_intervention_covers_full_width_and_changes_the_token(to
     assert saved[:, : cols[0]].abs().max() > 0 and saved[:, cols[1]:].abs().max() > 0
     clean = nv.generate(toy, PROMPT, max_tokens=1, layers=None)
     assert int(patched[0].argmax()) != clean.tokens[0][0]
-    assert (patched[0] - _zero_cfc_reference(toy_path, cols)).abs().max() < 1e-3
+    hf = fidelity.calibrated(lambda device: _zero_cfc_reference(toy_path, cols, device))
+    hf.check(patched[0], 1e-3, what="logits after zeroing c_fc columns")
 
 
 @pytest.mark.tp
-def test_tp_activations_agree_with_transformers(toy, toy_path, tp):
+def test_tp_activations_agree_with_transformers(toy, toy_path, tp, fidelity):
     """Under --tp N every captured quantity still matches the single-device reference."""
     prompts = [PROMPT, "The Eiffel Tower is in the city of"]
     run = nv.generate(toy, prompts, max_tokens=4, sites=("mlp_in", "mlp_act"), ignore_eos=True)
     assert run.meta["tp"] == tp
-    ref = nv.reference(toy_path, prompts, tokens=run.tokens, sites=("mlp_in", "mlp_act"))
+    hf = fidelity.reference(toy_path, prompts, tokens=run.tokens, sites=("mlp_in", "mlp_act"))
     for i in range(2):
-        assert (run.resid[i] - ref.resid[i]).abs().max() < 1e-3
-        assert (run.logits[i] - ref.logits[i]).abs().max() < 1e-3
+        hf.check(run.resid[i], 1e-3, lambda r, i=i: r.resid[i], f"resid[{i}]")
+        hf.check(run.logits[i], 1e-3, lambda r, i=i: r.logits[i], f"logits[{i}]")
         for s in ("mlp_in", "mlp_act"):
             assert run.sites[s][i].shape[-1] == 256  # gathered, not one rank's slice
-            assert (run.sites[s][i] - ref.sites[s][i]).abs().max() < 1e-3
+            hf.check(run.sites[s][i], 1e-3, lambda r, s=s, i=i: r.sites[s][i], f"{s}[{i}]")
 
 
 _TP1_SCRIPT = """
@@ -160,10 +169,11 @@ def test_tp_vs_tp1_discrepancy_report_and_same_intervention(toy, toy_path, tp, t
 
 
 @pytest.mark.tp
-def test_tp_logit_lens_gathers_the_unembedding(toy, toy_path, tp):
+def test_tp_logit_lens_gathers_the_unembedding(toy, toy_path, tp, fidelity):
     from test_analyses import _hf_lens_probs
 
     lens = nv.logit_lens(toy, PROMPT, max_tokens=2, ignore_eos=True)
     assert lens.unembed.weight.shape[0] == len(toy.tokenizer)  # every rank's vocab slice, padding dropped
-    ref = _hf_lens_probs(toy_path, toy.tokenizer.encode(PROMPT) + lens.generated[:-1])
-    assert (lens.top_probs - ref.topk(5, dim=-1).values).abs().max() < 1e-4
+    seq = toy.tokenizer.encode(PROMPT) + lens.generated[:-1]
+    hf = fidelity.calibrated(lambda device: _hf_lens_probs(toy_path, seq, device))
+    hf.check(lens.top_probs, 1e-4, lambda ref: ref.topk(5, dim=-1).values, "top-5 lens probs")
