@@ -19,19 +19,28 @@ def test_greedy_tokens_equal_transformers_on_all_toy_facts(toy, toy_path):
     assert run.prompt_ids == ref.prompt_ids
 
 
-def test_block_output_through_a_trace_equals_transformers(toy, toy_path):
+def _hidden_states(path, prompt, device="cpu"):
+    hf, tok = load_reference(path, "float32", device)
+    with torch.no_grad():
+        hs = hf(torch.tensor([tok.encode(prompt)], device=device), output_hidden_states=True).hidden_states
+    return [x[0].cpu() for x in hs]
+
+
+def test_block_output_through_a_trace_equals_transformers(toy, toy_path, fidelity):
+    """Bounds are CPU bounds; on a GPU the ``fidelity`` fixture (conftest.py) calibrates them."""
     prompt = "The Eiffel Tower is in the city of"
     with toy.trace(prompt, temperature=0.0, max_tokens=1):
         h = torch.stack([toy.transformer.h[i].output.clone() for i in range(6)]).save()
     h = h.cpu()  # a trace's saves stay on the engine's device
-    hf, tok = load_reference(toy_path)
-    with torch.no_grad():
-        hs = hf(torch.tensor([tok.encode(prompt)]), output_hidden_states=True).hidden_states
+    ref = fidelity.calibrated(lambda device: _hidden_states(toy_path, prompt, device))
+    hs = ref.value
     for i in range(toy.n_layers - 1):  # HF's last hidden state has ln_f applied; compare the rest
-        assert h[i].shape == hs[i + 1][0].shape
-        assert (h[i] - hs[i + 1][0]).abs().max() < 1e-3, i
-    last = hf.transformer.ln_f(h[-1])
-    assert (last - hs[-1][0]).abs().max() < 1e-3
+        assert h[i].shape == hs[i + 1].shape
+        ref.check(h[i], 1e-3, lambda r, i=i: r[i + 1], f"block {i} output")
+    hf, _ = load_reference(toy_path)
+    with torch.no_grad():
+        last = hf.transformer.ln_f(h[-1])
+    ref.check(last, 1e-3, lambda r: r[-1], "ln_f(last block output)")
 
 
 def test_toy_model_is_small_and_shipped():
