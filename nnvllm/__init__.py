@@ -5,6 +5,7 @@ The public verbs, one hop from here:
 - :func:`load` (``engine.py``) — a vLLM engine through nnsight, on GPU or CPU, in-process or isolated
   in its own process (``isolated.py``, ``server.py``); :func:`engines` lists the live ones.
 - :func:`generate` (``capture.py``) — one generation: logits, samples, every layer's activations.
+- :func:`collect` (``store.py``) — many prompts, chunked to disk under a memory budget, read lazily.
 - :func:`reference` (``reference.py``) — the same capture on plain transformers (ground truth).
 - :func:`logit_lens`, :func:`patch` (``analyses.py``; math in ``lens.py``, ``patching.py``).
 - :func:`compare` (``compare.py``) — discrepancies between two runs (vLLM vs HF, TP1 vs TP2).
@@ -23,6 +24,7 @@ from .engine import engines, load
 from .isolated import EngineDied
 from .reference import reference
 from .results import Run, Samples
+from .store import collect
 
 __version__ = "0.1.0"
-__all__ = ["load", "engines", "EngineDied", "generate", "reference", "logit_lens", "patch", "compare", "Run", "Samples", "sampling", "toy", "__version__"]
+__all__ = ["load", "engines", "EngineDied", "generate", "collect", "reference", "logit_lens", "patch", "compare", "Run", "Samples", "sampling", "toy", "__version__"]

@@ -482,7 +482,7 @@ def test_pure_modules_import_no_engine():
     import ast
     import importlib
 
-    for name in ("lens", "compare", "patching", "plotting"):
+    for name in ("lens", "compare", "patching", "plotting", "results", "store"):
         path = importlib.import_module(f"nnvllm.{name}").__file__
         tree = ast.parse(Path(path).read_text(encoding="utf-8"))
         mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
