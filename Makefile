@@ -10,7 +10,7 @@ TP ?= 2
 export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup lab demo test toy docs browser bench clean
+.PHONY: setup lab demo test test-gpu toy docs browser bench clean
 
 $(BIN)/.ready: pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,6 +48,13 @@ test: setup browser
 	$(BIN)/python -m pytest -q -ra tests/test_isolated.py -m tp --tp $(TP)
 	$(BIN)/python -m pytest -q -ra --nbmake notebooks/
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
+
+# The GPU lane (CUDA machine): engine suite, notebooks, and with GPU_TP=2 the tensor-parallel tests; logs
+# under $$OUT or benchmarks/results/gpu/. Uses python3 as is where it imports vllm and nnsight (the H200's
+# staged bundle), else builds .venv. See scripts/test_gpu.sh.
+GPU_TP ?= 1
+test-gpu:
+	bash scripts/test_gpu.sh --tp $(GPU_TP)
 
 # Debian chromium + the playwright package, for the one real-browser test (skipped without them).
 browser: setup

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# The GPU lane: the engine test suite, the notebooks and, with --tp 2, the tensor-parallel tests, on CUDA.
+#
+#   scripts/test_gpu.sh [--tp N]        (or TP=N scripts/test_gpu.sh; make test-gpu GPU_TP=N)
+#
+# On a lent H200 (vLLM and nnsight come from the staged bundle, see shared/gpu/README.md):
+#   source /root/nnvllm-gpu.env && export PYTHONPATH=$PWD:$PYTHONPATH && bash scripts/test_gpu.sh
+#
+# Stages (each continues after a failure; the script exits 1 at the end if any stage failed):
+#   engine     python3 -m pytest -q -ra $TESTS --tp 1          (TESTS defaults to tests/)
+#   notebooks  python3 -m pytest -q -ra --nbmake notebooks/    (needs nbmake + ipykernel + ipywidgets)
+#   tp_vllm    python3 -m pytest -q -ra tests/test_vllm.py --tp N             (only with N >= 2)
+#   tp_isolated python3 -m pytest -q -ra tests/test_isolated.py -m tp --tp N  (only with N >= 2)
+# Environment:
+#   OUT              where each stage's log goes (default benchmarks/results/gpu/); also summary.txt and
+#                    fidelity_<stage>.json (every vLLM-vs-transformers check with its calibrated bound)
+#   STAGES           a subset to run, e.g. STAGES="engine" or STAGES="tp_vllm tp_isolated"
+#   TESTS            what the engine stage runs (default tests/), e.g. "tests/test_capture.py tests/test_vllm.py"
+#   STAGE_TIMEOUT    seconds per stage (default: none)
+#   NNVLLM_NO_SETUP=1  never create a venv; use python3 as it is
+#   PYTHON           the interpreter (default python3)
+# Without NNVLLM_NO_SETUP and with no interpreter that imports vllm and nnsight, `make setup` builds .venv.
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+TP="${TP:-1}"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tp) TP="${2:?--tp needs a number}"; shift 2 ;;
+    --tp=*) TP="${1#--tp=}"; shift ;;
+    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "test_gpu.sh: unknown argument '$1' (expected --tp N)" >&2; exit 2 ;;
+  esac
+done
+case "$TP" in ''|*[!0-9]*) echo "test_gpu.sh: --tp/TP must be a number, got '$TP'" >&2; exit 2 ;; esac
+
+# A vLLM general plugin (vllm-lens is one) loads into every vLLM process and nnsight's engine then
+# fails to start; keep all plugins out.
+export VLLM_PLUGINS=""
+export TOKENIZERS_PARALLELISM=false
+OUT_DIR="${OUT:-benchmarks/results/gpu}"
+mkdir -p "$OUT_DIR"
+
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import vllm, nnsight" >/dev/null 2>&1; then
+  if [ "${NNVLLM_NO_SETUP:-0}" = 1 ]; then
+    echo "test_gpu.sh: $PY cannot import vllm and nnsight, and NNVLLM_NO_SETUP=1 forbids a venv." >&2
+    echo "  On the H200: source /root/nnvllm-gpu.env && export PYTHONPATH=\$PWD:\$PYTHONPATH" >&2
+    exit 2
+  fi
+  echo "test_gpu.sh: $PY cannot import vllm and nnsight; building .venv with make setup"
+  make setup || { echo "test_gpu.sh: make setup failed" >&2; exit 2; }
+  PY=.venv/bin/python
+fi
+
+if [ -z "${STAGES:-}" ]; then
+  STAGES="engine notebooks"
+  [ "$TP" -ge 2 ] && STAGES="$STAGES tp_vllm tp_isolated"
+fi
+
+versions=$("$PY" - <<'EOF' 2>/dev/null
+import importlib, importlib.metadata, sys
+def v(name):
+    try:
+        mod = importlib.import_module(name)
+    except Exception as e:
+        return f"missing({type(e).__name__})"
+    try:
+        return getattr(mod, "__version__", None) or importlib.metadata.version(name)
+    except Exception:
+        return "?"
+torch = importlib.import_module("torch")
+cuda = f"cuda {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)" if torch.cuda.is_available() else "no CUDA"
+print(f"python {sys.version.split()[0]} | torch {torch.__version__} ({cuda}) | vllm {v('vllm')} | "
+      f"nnsight {v('nnsight')} | transformers {v('transformers')} | nbmake {v('nbmake')} | "
+      f"ipywidgets {v('ipywidgets')}")
+EOF
+)
+gpus=$( (command -v nvidia-smi >/dev/null && nvidia-smi -L 2>&1 || echo "no nvidia-smi") | tr '\n' ';' | sed 's/;$//')
+rev=$(git rev-parse --short HEAD 2>/dev/null || echo "no git")
+dirty=$(git status --porcelain 2>/dev/null | grep -qv '^??' && echo "+local changes" || true)
+
+declare -a names rcs secs
+failed=0
+run_stage() {  # name, then the command
+  local name="$1"; shift
+  local log="$OUT_DIR/$name.txt" t0 rc
+  {
+    echo "# stage $name: $*"
+    echo "# date $(date -u '+%Y-%m-%dT%H:%M:%SZ') | nnvllm $rev$dirty | TP=$TP | VLLM_PLUGINS='$VLLM_PLUGINS'"
+    echo "# nvidia-smi -L: $gpus"
+    echo "# versions: $versions"
+  } | tee "$log"
+  t0=$(date +%s)
+  if [ -n "${STAGE_TIMEOUT:-}" ]; then
+    timeout -k 30 "$STAGE_TIMEOUT" "$@" 2>&1 | tee -a "$log"; rc=${PIPESTATUS[0]}
+  else
+    "$@" 2>&1 | tee -a "$log"; rc=${PIPESTATUS[0]}
+  fi
+  local dt=$(( $(date +%s) - t0 ))
+  echo "# stage $name: exit $rc after ${dt}s" | tee -a "$log"
+  names+=("$name"); rcs+=("$rc"); secs+=("$dt")
+  [ "$rc" -eq 0 ] || failed=1
+}
+
+for stage in $STAGES; do
+  case "$stage" in
+    engine)
+      NNVLLM_FIDELITY_JSON="$OUT_DIR/fidelity_engine.json" \
+        run_stage engine "$PY" -m pytest -q -ra ${TESTS:-tests/} --tp 1 ;;
+    notebooks)
+      run_stage notebooks "$PY" -m pytest -q -ra --nbmake notebooks/ ;;
+    tp_vllm)
+      NNVLLM_FIDELITY_JSON="$OUT_DIR/fidelity_tp_vllm.json" \
+        run_stage tp_vllm "$PY" -m pytest -q -ra tests/test_vllm.py --tp "$TP" ;;
+    tp_isolated)
+      run_stage tp_isolated "$PY" -m pytest -q -ra tests/test_isolated.py -m tp --tp "$TP" ;;
+    *) echo "test_gpu.sh: unknown stage '$stage' (engine, notebooks, tp_vllm, tp_isolated)" >&2
+       names+=("$stage"); rcs+=(2); secs+=(0); failed=1 ;;
+  esac
+done
+
+{
+  echo "# test_gpu.sh --tp $TP | $(date -u '+%Y-%m-%dT%H:%M:%SZ') | nnvllm $rev$dirty"
+  echo "# nvidia-smi -L: $gpus"
+  echo "# versions: $versions"
+  for i in "${!names[@]}"; do
+    printf '%-12s %s  %5ss\n' "${names[$i]}" "$([ "${rcs[$i]}" -eq 0 ] && echo "pass" || echo "FAIL(exit ${rcs[$i]})")" "${secs[$i]}"
+  done
+} | tee "$OUT_DIR/summary.txt"
+exit "$failed"
