@@ -31,7 +31,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from .arch import untie_shared_modules
-from .capture import CaptureWorker
+from ._worker import CaptureWorker, RecordingRunner
 
 __all__ = ["CPUVLLM", "NNsightCPUWorker", "NNsightCPUModelRunner"]
 
@@ -43,7 +43,7 @@ class _UntiedCPURunner(CPUModelRunner):
         untie_shared_modules(self.get_model())
 
 
-class NNsightCPUModelRunner(NNsightGPUModelRunner, _UntiedCPURunner):
+class NNsightCPUModelRunner(RecordingRunner, NNsightGPUModelRunner, _UntiedCPURunner):
     """nnsight's interleaving runner over vLLM's CPU model runner (adds no state).
 
     Also unties modules vLLM shares between blocks (see :func:`nnvllm.arch.untie_shared_modules`).

@@ -10,7 +10,7 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from .arch import untie_shared_modules
-from .capture import CaptureWorker
+from ._worker import CaptureWorker, RecordingRunner
 
 
 class _UntiedGPURunner(GPUModelRunner):
@@ -20,8 +20,9 @@ class _UntiedGPURunner(GPUModelRunner):
         untie_shared_modules(self.get_model())
 
 
-class NNsightUntiedGPUModelRunner(NNsightGPUModelRunner, _UntiedGPURunner):
-    """nnsight's runner over a model whose shared stateless modules were copied per block."""
+class NNsightUntiedGPUModelRunner(RecordingRunner, NNsightGPUModelRunner, _UntiedGPURunner):
+    """nnsight's runner over a model whose shared stateless modules were copied per block, with
+    nnvllm's recording taps (:class:`nnvllm._worker.RecordingRunner`)."""
 
 
 class NNsightUntiedGPUWorker(CaptureWorker, NNsightGPUWorker):

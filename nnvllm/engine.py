@@ -158,6 +158,7 @@ def _build_model_classes():
         checkpoint: str
 
         def _load_meta(self, repo_id: str, **kwargs: Any):
+            kwargs.pop("cuda_graphs", None)
             module = super()._load_meta(repo_id, **kwargs)
             untie_shared_modules(module)
             return module
@@ -217,10 +218,51 @@ def _build_model_classes():
     class GPUModel(_Mixin, VLLM):
         _WORKER_CLS = "nnvllm._gpu.NNsightUntiedGPUWorker"
 
+        # nnsight runs an engine without taps eagerly (its hooks cannot fire in a replayed graph).
+        # nnvllm's recording taps are recorded into the graphs (nnvllm._worker), and its runner runs
+        # any step that carries an nnsight trace eagerly, so the engine keeps vLLM's CUDA graphs.
+        def _load(self, repo_id: str, **kwargs: Any):
+            self._nnvllm_graphs = bool(kwargs.pop("cuda_graphs", True))
+            return super()._load(repo_id, **kwargs)
+
+        def _load_sync(self, repo_id: str, **kwargs: Any):
+            from nnsight.modeling.vllm.engines.engine import NNsightLLMEngine
+            from vllm import LLM
+
+            llm = LLM(repo_id, worker_cls=self._WORKER_CLS, **_graph_args(self._nnvllm_graphs, kwargs))
+            llm.llm_engine.__class__ = NNsightLLMEngine  # as nnsight's own _load_sync
+            return llm
+
+        def _load_async(self, repo_id: str, **kwargs: Any):
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            args = AsyncEngineArgs(model=repo_id, worker_cls=self._WORKER_CLS,
+                                   **_graph_args(self._nnvllm_graphs, kwargs))
+            return AsyncLLM.from_engine_args(args)
+
     class CPUModel(_Mixin, CPUVLLM):
         pass
 
     return GPUModel, CPUModel
+
+
+def _graph_args(graphs: bool, kwargs: dict) -> dict:
+    """vLLM engine arguments for nnvllm's GPU engine: CUDA graphs on (default) or eager.
+
+    With graphs: full graphs for decode steps, prefill eager, and no torch.compile (a compiled
+    graph would not run the taps' hooks while vLLM records the graphs). Measured on an H200, see
+    benchmarks/results/capture_gpu_h200.json.
+    """
+    kwargs = dict(kwargs)
+    kwargs.pop("enforce_eager", None)
+    if not graphs:
+        return {**kwargs, "enforce_eager": True}
+    cc = kwargs.pop("compilation_config", None) or {}
+    if not isinstance(cc, dict):
+        raise TypeError("compilation_config= must be a dict for nnvllm's engine (it sets mode and cudagraph_mode)")
+    cc = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", **cc}
+    return {**kwargs, "enforce_eager": False, "compilation_config": cc}
 
 
 def _sleep_platform() -> bool:
@@ -252,6 +294,7 @@ def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engi
         cls = GPUModel
     else:
         cls = CPUModel
+        engine_args.pop("cuda_graphs", None)  # vLLM's CPU backend runs eagerly here
         _cpu_environment(tp)
         engine_args = {**cpu_defaults(tp), **engine_args}
     m = cls(path, dispatch=True, mode=mode, **engine_args)
@@ -345,7 +388,9 @@ def load(
         start_timeout: seconds an isolated engine may take to start before it is stopped and a
             ``TimeoutError`` (with the end of its log) is raised.
         **engine_args: vLLM engine arguments (``tensor_parallel_size``, ``dtype``, ``max_model_len``,
-            ...). On CPU, :func:`cpu_defaults` fills the ones not given.
+            ...). On CPU, :func:`cpu_defaults` fills the ones not given. On a GPU, ``cuda_graphs=False``
+            runs the engine eagerly; by default it replays CUDA graphs for decode steps and captures
+            through them (``nnvllm._worker``), and steps of an nnsight trace run eagerly.
 
     Returns:
         The model, usable as ``with model.trace(prompt, temperature=0.0): ...``; it also has

@@ -302,19 +302,20 @@ class RemoteEngine:
         self.model = model
         self.conn = model._connection()  # raises if closed or dead
 
-    def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], bytes | None]:
+    def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
         import torch
 
         buf = io.BytesIO()
         torch.save({"prompts": prompts, "params": params, "spec": spec}, buf)
         r = self.conn.request("POST", "/v1/nnvllm/generate", content=buf.getvalue(),
                               headers={"Content-Type": "application/octet-stream"})
-        res = torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=False)
+        # Plain data only (ids, text, file names of the shared-memory hand-off): never unpickle.
+        res = torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=True)
         if res.get("error"):
             kind, msg = res["error"]
             exc = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
             raise exc(f"the engine refused the request: {kind}: {msg}") from None
-        return res["outputs"], res["records"]
+        return res["outputs"], res["handoff"]
 
     def unembed(self, final_norm: str, unembed: str) -> list[dict]:
         import torch

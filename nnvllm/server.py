@@ -178,17 +178,22 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         return serve._payload(_merge_saves(mediators, per_request), first_error)
 
     async def capture(request: Request):
-        """Arm the capture hooks, run the prompts concurrently, collect: one ``nv.generate``."""
+        """Arm the capture, run the prompts concurrently, collect: one ``nv.generate``.
+
+        The activations travel through shared memory (``nnvllm._worker``): the reply is small.
+        """
         import torch
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         from .capture import plain_output
 
         model_ = serve._ready()
-        req = torch.load(io.BytesIO(await request.body()), weights_only=False)
+        req = torch.load(io.BytesIO(await request.body()), weights_only=True)
         engine = model_.vllm_entrypoint
         try:
-            params = SamplingParams(**req["params"])
+            # Final outputs only: a per-step output per request costs Python per request x step.
+            params = SamplingParams(**req["params"], output_kind=RequestOutputKind.FINAL_ONLY)
         except (TypeError, ValueError) as e:
             return _torch_payload({"error": (type(e).__name__, str(e))})
 
@@ -204,16 +209,20 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                 await engine.collective_rpc("nnvllm_arm", args=(req["spec"],))
                 try:
                     outputs = await asyncio.gather(*(one(p, i) for p, i in zip(req["prompts"], ids)))
+                except BaseException:
+                    await engine.collective_rpc("nnvllm_disarm")
+                    raise
                 finally:
-                    raw = (await engine.collective_rpc("nnvllm_collect"))[0]
                     # What nnsight's engine does for every finished request: wind up the workers an
                     # installed edit (model.edit) ran on them. One call for all, not one per request.
                     await engine.collective_rpc("collect_nnsight", args=(ids, ids))
+                tokens = {o["request_id"]: o["token_ids"] for o in outputs}
+                handoff = (await engine.collective_rpc("nnvllm_collect", args=(tokens, None)))[0]
             except Exception as e:
                 if _dead(engine):
                     return _error(503, ENGINE_DIED)
                 return _torch_payload({"error": (type(e).__name__, str(e))})
-        return _torch_payload({"outputs": outputs, "records": raw, "error": None})
+        return _torch_payload({"outputs": outputs, "handoff": handoff, "error": None})
 
     async def unembed(request: Request):
         body = await request.json()

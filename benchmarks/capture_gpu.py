@@ -1,0 +1,287 @@
+"""Capture cost on a GPU, every case side by side in one command (each case in its own process).
+
+    python benchmarks/capture_gpu.py --shape llama1b --prompts 64 --tokens 128 --out results.json
+    python benchmarks/capture_gpu.py --shape gpt2s --prompts 64 --tokens 32 --out results.json
+    python benchmarks/capture_gpu.py --shape llama1b --big 1024 --tokens 128 --out results.json
+
+Shapes (random fp16 weights, written once; a WordLevel tokenizer with the model's vocabulary):
+``llama1b`` 16 layers, d=2048, 32/8 heads, d_mlp 8192, vocab 8192; ``gpt2s`` 12 layers, d=768, vocab
+8192. Workload: greedy, ``ignore_eos``, prompts of 16 tokens. Every capturing case keeps every
+block's output (the residual stream) at every position; nnvllm's cases also keep the logits of every
+step and the sampling statistics.
+
+Cases (each in a fresh process, vLLM keeps GPU memory until its process ends; warm-up on the full
+batch, then the median of ``--repeats``):
+
+- ``bare_graphs``: ``vllm.LLM`` with vLLM's defaults (torch.compile + CUDA graphs), nothing captured.
+- ``bare_eager``: the same with ``enforce_eager=True``.
+- ``nv_graphs``: ``nv.generate`` on nnvllm's in-process engine (CUDA graphs on, the default); the
+  same process also times ``model.llm.generate`` (nnvllm's engine, nothing captured).
+- ``nv_eager``: the same with ``cuda_graphs=False``.
+- ``nv_isolated``: ``nv.generate`` on an isolated engine (``isolate=True``, graphs on).
+- ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
+- ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
+- ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
+
+``--big N``: N prompts streamed to disk with ``nv.collect`` (memory budget ``--budget``) against
+bare generate of the same prompts on the same engine, and the notebook-process peak RSS.
+
+Results are written to ``--out`` after every case (a killed command keeps what finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {
+    "llama1b": dict(kind="llama", layers=16, d=2048, heads=32, kv=8, d_mlp=8192, vocab=8192),
+    "gpt2s": dict(kind="gpt2", layers=12, d=768, heads=12, kv=12, d_mlp=3072, vocab=8192),
+}
+PROMPT_LEN = 16
+
+
+def build(shape: str, root: Path) -> str:
+    """Write a random fp16 checkpoint of ``shape`` with a word-level tokenizer; return its path."""
+    out = root / shape
+    if (out / "config.json").is_file():
+        return str(out)
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    s = SHAPES[shape]
+    vocab = {f"t{i}": i for i in range(s["vocab"] - 1)} | {"<eos>": s["vocab"] - 1}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    from tokenizers import decoders
+
+    tk.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", unk_token="<eos>", pad_token="<eos>")
+    eos = s["vocab"] - 1
+    torch.manual_seed(0)
+    if s["kind"] == "llama":
+        cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["d"], intermediate_size=s["d_mlp"],
+                          num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                          num_key_value_heads=s["kv"], max_position_embeddings=4096, tie_word_embeddings=False,
+                          bos_token_id=eos, eos_token_id=eos, torch_dtype="float16")
+        cls = LlamaForCausalLM
+    else:
+        cfg = GPT2Config(vocab_size=s["vocab"], n_embd=s["d"], n_layer=s["layers"], n_head=s["heads"],
+                         n_positions=4096, bos_token_id=eos, eos_token_id=eos, torch_dtype="float16")
+        cls = GPT2LMHeadModel
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(dev):
+        model = cls(cfg).half()
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def prompts(n: int) -> list[str]:
+    return [" ".join(f"t{(7 * i + j) % 8000 + 1}" for j in range(PROMPT_LEN)) for i in range(n)]
+
+
+def _timed(fn, repeats: int) -> dict:
+    fn()  # warm-up on the full batch
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return {"median": statistics.median(ts), "all": ts}
+
+
+def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: dict) -> dict:
+    import torch
+
+    ps = prompts(n)
+    L = SHAPES[shape]["layers"]
+    res: dict = {}
+    gpu_util = 0.6
+    if name in ("bare_graphs", "bare_eager", "vllm_lens"):
+        from vllm import LLM, SamplingParams
+
+        kw = {"enforce_eager": True} if name == "bare_eager" else {}
+        llm = LLM(path, dtype="float16", gpu_memory_utilization=gpu_util, **kw)
+        extra_args = {"output_residual_stream": list(range(L))} if name == "vllm_lens" else None
+        sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True, extra_args=extra_args)
+        res[name] = _timed(lambda: llm.generate(ps, sp, use_tqdm=False), repeats)
+        if name == "vllm_lens":
+            out = llm.generate(ps[:1], sp, use_tqdm=False)
+            res["vllm_lens_shape"] = list(out[0].activations["residual_stream"].shape)
+        return res
+    if name in ("nv_graphs", "nv_eager", "nv_isolated"):
+        import nnvllm as nv
+        from vllm import SamplingParams
+
+        kw = {"cuda_graphs": False} if name == "nv_eager" else {}
+        model = nv.load(path, isolate=name == "nv_isolated", dtype="float16", gpu_memory_utilization=gpu_util, **kw)
+        if name != "nv_isolated":
+            sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
+            res[name + "_bare"] = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), repeats)
+        res[name] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True), repeats)
+        run = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True)
+        assert run.resid[0].shape == (L, PROMPT_LEN + T - 1, SHAPES[shape]["d"]), run.resid[0].shape
+        if extra.get("save"):
+            torch.save({"resid": [r.clone() for r in run.resid], "logits": [x.clone() for x in run.logits],
+                        "tokens": run.tokens}, Path(extra["save"]) / f"{name}.pt")
+        model.close()
+        return res
+    if name == "hf_nnsight":
+        from nnsight import LanguageModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+        hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float16).cuda()
+        lm = LanguageModel(hf, tokenizer=tok)
+        blocks = lm.model.layers if SHAPES[shape]["kind"] == "llama" else lm.transformer.h
+
+        def hf_run():
+            with lm.generate(ps, max_new_tokens=T, do_sample=False, min_new_tokens=T,
+                             pad_token_id=tok.eos_token_id) as tracer:
+                steps = list().save()
+                for _ in tracer.all():
+                    steps.append(torch.stack([blocks[i].output[0] if isinstance(blocks[i].output, tuple)
+                                              else blocks[i].output for i in range(L)]))
+        res[name] = _timed(hf_run, repeats)
+        return res
+    if name == "nnsight_taps":
+        from nnsight.modeling.vllm import VLLM
+
+        tap = "model.layers.*.output" if SHAPES[shape]["kind"] == "llama" else "transformer.h.*.output"
+        m = VLLM(path, dispatch=True, taps=[tap], dtype="float16", gpu_memory_utilization=gpu_util)
+        blocks = m.model.layers if SHAPES[shape]["kind"] == "llama" else m.transformer.h
+
+        def taps_run():
+            with m.trace(temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:
+                for p in ps:
+                    with tracer.invoke(p):
+                        steps = list().save()
+                        for _ in tracer.all():
+                            steps.append(torch.stack([blocks[i].output[0] if isinstance(blocks[i].output, tuple)
+                                                      else blocks[i].output for i in range(L)]))
+        res[name] = _timed(taps_run, 1)
+        return res
+    if name == "big":
+        import resource
+
+        import nnvllm as nv
+        from vllm import SamplingParams
+
+        model = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=gpu_util)
+        sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
+        bare = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), 1)
+        out = Path(extra["disk"]) / "collect"
+        import shutil
+
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        t = time.perf_counter()
+        ds = nv.collect(model, ps, out, max_tokens=T, ignore_eos=True, memory_budget=extra["budget"], progress=False)
+        dt = time.perf_counter() - t
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        size = sum(f.stat().st_size for f in out.iterdir())
+        res["big"] = {"bare": bare["median"], "collect": dt, "ratio": dt / bare["median"], "bytes_on_disk": size,
+                      "requests": len(ds), "peak_rss_gib": peak, "rss_before_gib": rss0, "budget": extra["budget"]}
+        shutil.rmtree(out, ignore_errors=True)
+        model.close()
+        return res
+    raise ValueError(name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama1b")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cases", default="bare_graphs,bare_eager,nv_graphs,nv_eager,nv_isolated,vllm_lens,hf_nnsight,nnsight_taps")
+    ap.add_argument("--big", type=int, default=0)
+    ap.add_argument("--budget", default="4GB")
+    ap.add_argument("--root", default="/tmp/nnvllm-bench")
+    ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    extra = {"save": str(root), "disk": str(root), "budget": args.budget}
+    if args.case:  # child
+        res = case(args.case, args.path, args.shape, args.prompts, args.tokens, args.repeats, extra)
+        print("RESULT " + json.dumps(res), flush=True)
+        return
+    path = build(args.shape, root)
+    cases = ["big"] if args.big else [c for c in args.cases.split(",") if c]
+    n = args.big or args.prompts
+    out = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": args.shape,
+           "shape_args": SHAPES[args.shape], "prompts": n, "tokens": args.tokens, "prompt_len": PROMPT_LEN,
+           "repeats": args.repeats, "seconds": {}, "errors": {}}
+    try:
+        import torch
+
+        out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+        import nnsight
+        import vllm
+
+        out["versions"] = {"torch": torch.__version__, "vllm": vllm.__version__, "nnsight": nnsight.__version__}
+    except Exception as e:  # noqa: BLE001
+        out["versions"] = repr(e)
+    for c in cases:
+        env = dict(os.environ)
+        if c != "vllm_lens":
+            env["VLLM_PLUGINS"] = ""  # vllm-lens loads into every vLLM process otherwise
+        cmd = [sys.executable, __file__, "--case", c, "--path", path, "--shape", args.shape, "--prompts", str(n),
+               "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--root", args.root, "--budget", args.budget]
+        t = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if lines:
+                for k, v in json.loads(lines[-1][7:]).items():
+                    out["seconds"][k] = v["median"] if isinstance(v, dict) and "median" in v else v
+            else:
+                out["errors"][c] = (p.stderr or p.stdout)[-3000:]
+        except subprocess.TimeoutExpired as e:
+            out["errors"][c] = f"timed out after {args.timeout} s: " + str((e.stderr or b"")[-2000:])
+        print(f"{c}: {time.perf_counter() - t:.1f} s wall; {out['seconds']}", flush=True)
+        _ratios(out)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(out, indent=2))
+    # graphs vs eager capture: the same numbers?
+    a, b = root / "nv_graphs.pt", root / "nv_eager.pt"
+    if a.exists() and b.exists():
+        import torch
+
+        ga, gb = torch.load(a), torch.load(b)
+        out["graphs_vs_eager"] = {
+            "tokens_equal": ga["tokens"] == gb["tokens"],
+            "resid_max_abs": max(float((x.float() - y.float()).abs().max()) for x, y in zip(ga["resid"], gb["resid"])),
+            "logits_max_abs": max(float((x - y).abs().max()) for x, y in zip(ga["logits"], gb["logits"])),
+        }
+    _ratios(out)
+    print(json.dumps({k: out[k] for k in ("seconds", "ratios") if k in out}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2))
+
+
+def _ratios(out: dict) -> None:
+    s = out["seconds"]
+    r = {}
+    for base in ("bare_graphs", "bare_eager"):
+        if isinstance(s.get(base), float):
+            r[f"x {base}"] = {k: v / s[base] for k, v in s.items() if isinstance(v, float)}
+    if isinstance(s.get("nv_isolated"), float) and isinstance(s.get("nv_graphs"), float):
+        r["isolated / in-process"] = s["nv_isolated"] / s["nv_graphs"]
+    out["ratios"] = r
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,602 @@
+"""What runs inside the engine's worker process: recording a generation, and handing its bytes over.
+
+This module is imported by the engine workers (``_gpu.py``, ``_cpu.py``); the client never imports
+it. The client side of a capture is :func:`nnvllm.capture.generate`.
+
+How a capture stays at the cost of moving its bytes (see DESIGN.md, "The hot path"):
+
+- **Taps installed once, at model load**, before vLLM records its CUDA graphs. A tap is a forward
+  hook that copies one site of one block into a preallocated static buffer ``[layer, rows, width]``
+  (rows: vLLM's largest graph batch). While vLLM records a graph the copy is recorded with it, so
+  every replay refills the buffer with no Python at all. In an eager step (prefill, a batch larger
+  than any graph, the CPU backend) the hook runs and does the same copy.
+- **Once per engine step**, after the forward (:meth:`RecordingRunner.execute_model`): one
+  ``index_copy_`` per site moves this step's rows from the static buffer to their final place in a
+  per-call arena laid out request by request, ``arena[site][layer, offset(request) + position]``.
+  The destination rows are computed on the host from vLLM's per-step batch layout
+  (``input_batch.req_ids``, ``query_start_loc``) plus the positions tensor on the device — no host
+  sync, no per-request or per-layer Python. The logits row of each request goes to its step's slot
+  the same way. Recomputed rows (preemption) land on the same place (the last write wins); chunked
+  prefill lands by position.
+- **At collect**, the sampling statistics are computed on the device for all steps at once, and the
+  arena is copied once into files in shared memory (``/dev/shm``); the RPC result is only their
+  names and the layout. The client maps the files: nothing is pickled and no RPC size limit applies.
+  In a single-process engine (vLLM's CPU default here) the tensors are handed over directly.
+
+Under tensor parallelism every rank runs the taps; the sites that are one rank's slice (``mlp_in``,
+``mlp_act``) are all-gathered once per step, and rank 0 keeps the record.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["RecordingRunner", "CaptureWorker", "SHM_PREFIX"]
+
+_SHARDED = ("mlp_in", "mlp_act")  # column-parallel outputs: each TP rank holds a slice of the width
+SHM_PREFIX = "nnvllm-cap-"
+# Static buffers for graph replay are kept under this many bytes per engine; sites that would not
+# fit are recorded by running the steps of a capture that asks for them eagerly.
+STATIC_BUDGET = int(os.environ.get("NNVLLM_STATIC_BUDGET", 2 << 30))
+
+
+def shm_dir() -> str:
+    d = "/dev/shm"
+    return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
+
+
+class _Taps:
+    """The permanent hooks of one model and their static buffers (one per site: ``[layer, cap, width]``)."""
+
+    def __init__(self, runner: Any, arch: dict, cap: int) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        self.runner = runner
+        self.arch = arch
+        self.tp = get_tensor_model_parallel_world_size()
+        self.rank = get_tensor_model_parallel_rank()
+        self.active = False  # a capture is armed (eager hooks record only then)
+        self.fired: dict[str, torch.Tensor] = {}  # site -> the buffer eager hooks wrote this step
+        self.static: dict[str, torch.Tensor] = {}
+        self.eager: dict[str, torch.Tensor] = {}
+        model = runner.get_model()
+        blocks = model.get_submodule(arch["blocks"])
+        self.n_layers = len(blocks)
+        self.handles = []
+        # Widths are learnt from the first value a hook sees (sharded sites are a slice per rank).
+        self.width: dict[str, int] = {}
+        self.dtype = runner.model_config.dtype
+        self.device = runner.device
+        self.cap = cap
+        self.sites: list[str] = []
+        for site, (path, side) in arch["sites"].items():
+            for j in range(self.n_layers):
+                mod = blocks[j].get_submodule(path) if path else blocks[j]
+                if side == "output":
+                    self.handles.append(mod.register_forward_hook(self._output_hook(site, j)))
+                else:
+                    self.handles.append(mod.register_forward_pre_hook(self._input_hook(site, j)))
+            self.sites.append(site)
+        self.in_graph: set[str] = set()  # sites whose copy is recorded in the CUDA graphs
+
+    # ---- the hooks
+    def _buf(self, site: str, n: int, like: torch.Tensor) -> torch.Tensor | None:
+        if site not in self.width:
+            self.width[site] = like.shape[-1]
+        if n <= self.cap and site in self.static:
+            return self.static[site]
+        buf = self.eager.get(site)
+        if buf is None or buf.shape[1] < n:
+            rows = max(n, 2 * (0 if buf is None else buf.shape[1]))
+            buf = self.eager[site] = torch.empty(self.n_layers, rows, like.shape[-1], dtype=like.dtype,
+                                                 device=like.device)
+        return buf
+
+    def _write(self, site: str, j: int, x: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not (capturing or self.active):
+            return
+        n = x.shape[0]
+        if capturing and site not in self.static:
+            return  # not recorded in graphs: a capture that wants it runs eagerly
+        buf = self._buf(site, n, x)
+        dst = buf[j, :n]
+        if residual is None:
+            dst.copy_(x)
+        else:
+            torch.add(x, residual, out=dst)
+        if not capturing:
+            self.fired[site] = buf
+
+    def _output_hook(self, site: str, j: int):
+        def hook(module, args, out):
+            if isinstance(out, tuple):
+                if site == "resid" and len(out) > 1 and out[1] is not None:
+                    # Llama-style blocks return (hidden, residual): the residual stream is their sum.
+                    self._write(site, j, out[0], out[1])
+                    return
+                out = out[0]
+            self._write(site, j, out)
+        return hook
+
+    def _input_hook(self, site: str, j: int):
+        def hook(module, args):
+            self._write(site, j, args[0])
+        return hook
+
+    def allocate_static(self, widths: dict[str, int]) -> None:
+        """Static buffers for graph replay, as many sites as fit in :data:`STATIC_BUDGET`."""
+        if self.cap <= 0:
+            return
+        item = torch.empty((), dtype=self.dtype).element_size()
+        used = 0
+        for site in self.sites:  # in table order: resid first
+            w = widths.get(site)
+            if w is None:
+                continue
+            size = self.n_layers * self.cap * w * item
+            if used + size > STATIC_BUDGET:
+                continue
+            self.static[site] = torch.zeros(self.n_layers, self.cap, w, dtype=self.dtype, device=self.device)
+            used += size
+            self.in_graph.add(site)
+
+
+def _site_widths(model: Any, arch: dict, tp: int) -> dict[str, int]:
+    """Per-rank widths of each site, from the module shapes (no forward needed)."""
+    blocks = model.get_submodule(arch["blocks"])
+    cfg = getattr(model, "config", None)
+    d = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    out = {}
+    for site, (path, side) in arch["sites"].items():
+        if site in ("resid", "attn", "mlp"):
+            out[site] = d
+            continue
+        mod = blocks[0].get_submodule(path)
+        # vLLM's parallel linear layers know their per-rank sizes (weights may be repacked).
+        attr = "output_size_per_partition" if side == "output" else "input_size_per_partition"
+        out[site] = getattr(mod, attr, None)
+    return {k: v for k, v in out.items() if v}
+
+
+class _Capture:
+    """One armed capture: its arena (request-major rows) and the per-step placement."""
+
+    def __init__(self, taps: _Taps, spec: dict) -> None:
+        self.taps = taps
+        self.layers = list(spec["layers"])
+        self.sites = [s for s in spec["sites"]]
+        self.keep = taps.rank == 0
+        self.logits = spec.get("logits", True)
+        self.sample = spec.get("sample")  # dict(temperature, top_p, k) or None
+        self.hint_rows = int(spec.get("rows_hint") or 0)
+        self.hint_steps = int(spec.get("steps_hint") or 0)
+        self.layer_idx = None
+        dev = taps.device
+        if self.layers and self.layers != list(range(taps.n_layers)):
+            self.layer_idx = torch.tensor(self.layers, dtype=torch.long, device=dev)
+        self.need_eager = any(s not in taps.in_graph for s in self.sites) and taps.cap > 0
+        self.requests: dict[str, tuple[int, int, int, int, int]] = {}  # rid -> (arena, off, rows, loff, plen)
+        self.arenas: list[dict[str, torch.Tensor]] = []
+        self.free_rows = 0
+        self.free_steps = 0
+        self.last_ids: list[str] | None = None
+        self.family = spec["family"]
+        self.error: str | None = None
+
+    def check_memory(self) -> None:
+        """Refuse, before anything runs, a capture whose arena cannot fit in free device memory."""
+        t = self.taps
+        if t.device.type != "cuda" or not self.keep or not self.hint_rows:
+            return
+        item = torch.empty((), dtype=t.dtype).element_size()
+        width = sum(t.widths.get(s, 0) * (t.tp if s in _SHARDED else 1) for s in self.sites)
+        need = self.hint_rows * len(self.layers) * width * item + self.hint_steps * self._vocab() * 4
+        free, _ = torch.cuda.mem_get_info(t.device)
+        if need > 0.9 * free:
+            raise ValueError(
+                f"this capture needs about {need / 2**30:.1f} GiB of device memory for its arena and "
+                f"{free / 2**30:.1f} GiB are free. Capture fewer prompts, layers or sites per call, "
+                "pass logits=False, stream to disk with nv.collect(..., memory_budget=...), or load "
+                "the engine with a lower gpu_memory_utilization.")
+
+    # ---- arena
+    def _arena_for(self, rows: int, steps: int) -> int:
+        if not self.arenas or rows > self.free_rows or steps > self.free_steps:
+            # Size for what the client announced, or else for every request the runner holds now,
+            # and at least double the last arena: a few arenas per call at most.
+            waiting = [st for rid, st in self.taps.runner.requests.items() if rid not in self.requests]
+            guess_r = sum(len(st.prompt_token_ids or ()) + int(st.sampling_params.max_tokens or 1) for st in waiting)
+            guess_s = sum(int(st.sampling_params.max_tokens or 1) for st in waiting)
+            prev_r = self.arenas[-1][self.sites[0]].shape[1] if self.arenas and self.sites else 0
+            rows_n = max(rows, self.hint_rows, guess_r, 2 * prev_r)
+            steps_n = max(steps, self.hint_steps, guess_s, 2 * (self.arenas[-1]["_logits"].shape[0] if self.arenas else 0))
+            self.hint_rows = self.hint_steps = 0  # the hint sizes the first arena only
+            t = self.taps
+            a: dict[str, torch.Tensor] = {}
+            for s in self.sites:
+                w = t.width.get(s) or t.widths[s]
+                if s in _SHARDED:
+                    w *= t.tp
+                a[s] = torch.empty(len(self.layers), rows_n + 1, w, dtype=t.dtype, device=t.device)
+            a["_logits"] = torch.zeros(steps_n + 1, self._vocab(), dtype=torch.float32, device=t.device)
+            self.arenas.append(a)
+            self.used_rows, self.used_steps = 0, 0
+            self.free_rows, self.free_steps = rows_n, steps_n
+        k = len(self.arenas) - 1
+        return k
+
+    def _vocab(self) -> int:
+        if not self.logits and self.sample is None:
+            return 1
+        return int(self.taps.runner.model_config.get_vocab_size())
+
+    def _place(self, rid: str) -> tuple:
+        st = self.taps.runner.requests[rid]
+        plen = len(st.prompt_token_ids) if st.prompt_token_ids is not None else int(st.num_prompt_tokens)
+        mt = int(st.sampling_params.max_tokens or 1)
+        rows, steps = plen + mt, mt
+        k = self._arena_for(rows, steps)
+        ent = (k, self.used_rows, rows, self.used_steps, plen)
+        self.used_rows += rows
+        self.used_steps += steps
+        self.free_rows -= rows
+        self.free_steps -= steps
+        self.requests[rid] = ent
+        return ent
+
+    # ---- once per step
+    def step(self, runner: Any) -> None:
+        t = self.taps
+        n = runner.input_batch.num_reqs
+        if n == 0:
+            return
+        qsl = runner.query_start_loc.np[: n + 1]
+        ntok = int(qsl[-1])
+        if ntok == 0:
+            return
+        ids = runner.input_batch.req_ids[:n]
+        dev = t.device
+        # Sharded sites: all ranks gather (a collective each rank must join), rank 0 keeps.
+        gathered = {}
+        for s in self.sites:
+            if t.tp > 1 and s in _SHARDED:
+                src = t.fired.get(s, t.static.get(s))
+                gathered[s] = _gather(src[:, :ntok], s, self.family)
+        if not self.keep or self.error is not None:
+            return
+        try:
+            self._place_step(runner, n, qsl, ntok, ids, gathered)
+        except Exception as e:  # noqa: BLE001
+            # A failed recording (e.g. out of device memory for the arena) fails this capture
+            # alone: the generation goes on, the engine stays up, collect() reports the cause.
+            self.error = f"{type(e).__name__}: {e}"
+            self.arenas = []
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _place_step(self, runner, n, qsl, ntok, ids, gathered) -> None:
+        t = self.taps
+        dev = t.device
+        if ids != self.last_ids:
+            # The batch changed: look its requests up (placing new ones). Columns: arena, row
+            # offset, logits-row offset, prompt length. Steady decode steps skip this.
+            ents = [self.requests.get(r) or self._place(r) for r in ids]
+            self.last_ids = list(ids)
+            self.tab = np.array([[e[0], e[1], e[3], e[4]] for e in ents], dtype=np.int64)
+        counts = np.diff(qsl)
+        tok_req = np.repeat(np.arange(n), counts)
+        pos = runner.positions[:ntok]
+        if pos.device != dev:
+            pos = pos.to(dev)
+        arenas_here = np.unique(self.tab[:, 0])
+        for k in arenas_here:
+            arena = self.arenas[int(k)]
+            in_k = self.tab[:, 0] == k
+            tok_sel = in_k[tok_req]
+            if len(arenas_here) == 1:
+                tok_off = torch.from_numpy(self.tab[tok_req, 1])
+                dst = _to(tok_off, dev) + pos
+                src_rows = None
+            else:
+                rows_np = np.nonzero(tok_sel)[0]
+                src_rows = _to(torch.from_numpy(rows_np), dev)
+                dst = _to(torch.from_numpy(self.tab[tok_req[rows_np], 1]), dev) + pos[src_rows]
+            for s in self.sites:
+                src = gathered.get(s)
+                if src is None:
+                    buf = t.fired.get(s, t.static.get(s))
+                    if buf is None:
+                        raise RuntimeError(f"nnvllm: no value of site {s!r} was recorded this step "
+                                           "(a replayed CUDA graph without it); load with cuda_graphs=False")
+                    src = buf[:, :ntok]
+                if self.layer_idx is not None:
+                    src = src.index_select(0, self.layer_idx)
+                if src_rows is not None:
+                    src = src.index_select(1, src_rows)
+                arena[s].index_copy_(1, dst, src)
+            # The logits row of each request: its last scheduled token's position.
+            lg = runner.execute_model_state.logits if runner.execute_model_state is not None else None
+            if lg is None or arena["_logits"].shape[1] == 1:
+                continue
+            req_sel = np.nonzero(in_k)[0]
+            last_tok = torch.from_numpy(qsl[1:][req_sel] - 1)
+            lpos = pos[_to(last_tok, dev)]
+            base = torch.from_numpy(self.tab[req_sel, 2] - (self.tab[req_sel, 3] - 1))
+            ldst = _to(base, dev) + lpos
+            # Rows of a prompt only partly prefilled this step go to the spare last row.
+            ldst = torch.where(lpos >= _to(torch.from_numpy(self.tab[req_sel, 3] - 1), dev), ldst,
+                               torch.full_like(ldst, arena["_logits"].shape[0] - 1))
+            rows = lg[:n] if len(arenas_here) == 1 else lg[_to(torch.from_numpy(req_sel), dev)]
+            arena["_logits"].index_copy_(0, ldst, rows.float())
+
+    # ---- at the end
+    def collect(self, tokens: dict[str, list[int]], same_process: bool) -> dict | None:
+        if self.error is not None:
+            return {"error": self.error}
+        if not self.keep:
+            return None
+        t = self.taps
+        dev = t.device
+        reqs = {}
+        for rid, (k, off, rows, loff, plen) in self.requests.items():
+            reqs[rid] = {"arena": k, "off": off, "rows": rows, "loff": loff, "plen": plen}
+        out: dict[str, Any] = {"requests": reqs, "arenas": []}
+        for k, arena in enumerate(self.arenas):
+            used_rows = max((r["off"] + r["rows"] for r in reqs.values() if r["arena"] == k), default=0)
+            used_steps = max((r["loff"] + (r["rows"] - r["plen"]) for r in reqs.values() if r["arena"] == k), default=0)
+            tensors: dict[str, torch.Tensor] = {}
+            for s in self.sites:
+                tensors[s] = arena[s][:, :used_rows]
+            if self.sample is not None and used_steps:
+                tensors.update(self._samples(arena["_logits"][:used_steps], k, reqs, tokens))
+            if self.logits:
+                tensors["_logits"] = arena["_logits"][:used_steps]
+            out["arenas"].append(_handover(tensors, same_process))
+        return out
+
+    def _samples(self, logits: torch.Tensor, k: int, reqs: dict, tokens: dict) -> dict[str, torch.Tensor]:
+        """Sampling statistics for every step row at once (see :mod:`nnvllm.sampling`)."""
+        from .sampling import sampling_probs
+
+        dev = logits.device
+        chosen = torch.zeros(logits.shape[0], dtype=torch.long)
+        for rid, r in reqs.items():
+            if r["arena"] != k:
+                continue
+            toks = tokens.get(rid)
+            if toks is None:  # the client knows the external id; vLLM appends "-<8 hex>" to it
+                toks = tokens.get(rid.rsplit("-", 1)[0])
+            if toks is None:
+                continue
+            toks = toks[: r["rows"] - r["plen"]]
+            chosen[r["loff"]: r["loff"] + len(toks)] = torch.as_tensor(toks, dtype=torch.long)
+        chosen = chosen.to(dev)
+        temp, top_p, kk = self.sample["temperature"], self.sample["top_p"], self.sample["k"]
+        kk = min(kk, logits.shape[-1])
+        probs_c, top_i, top_p_ = [], [], []
+        step = max(1, (256 << 20) // (logits.shape[-1] * 4))  # rows per chunk: ~256 MB of fp32 probs
+        for a in range(0, logits.shape[0], step):
+            p = sampling_probs(logits[a: a + step], temp, top_p)
+            top = p.topk(kk, dim=-1)
+            probs_c.append(p.gather(-1, chosen[a: a + step, None])[:, 0])
+            top_i.append(top.indices)
+            top_p_.append(top.values)
+        return {"_probs": torch.cat(probs_c), "_top_ids": torch.cat(top_i), "_top_probs": torch.cat(top_p_)}
+
+
+def _to(x: torch.Tensor, dev) -> torch.Tensor:
+    if dev.type == "cuda":
+        # Pinned (from the caching host allocator, which keeps the block until the copy is done),
+        # then an asynchronous copy: no host sync in the step.
+        return x.pin_memory().to(dev, non_blocking=True)
+    return x
+
+
+def _gather(x: torch.Tensor, site: str, family: str) -> torch.Tensor:
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    if site == "mlp_in" and family == "llama":
+        # Merged gate_up: each rank holds [gate_r, up_r]; the full width is [gate..., up...].
+        g, u = x.chunk(2, dim=-1)
+        return torch.cat([tensor_model_parallel_all_gather(g.contiguous(), -1),
+                          tensor_model_parallel_all_gather(u.contiguous(), -1)], dim=-1)
+    return tensor_model_parallel_all_gather(x.contiguous(), -1)
+
+
+def _handover(tensors: dict[str, torch.Tensor], same_process: bool) -> dict:
+    """Move tensors to the client: directly in one process, else through files in shared memory.
+
+    Each tensor becomes one file in ``/dev/shm``: allocated with ``posix_fallocate`` and mapped
+    with ``MAP_POPULATE`` (no page fault per 4 KiB while copying), and on a GPU pinned for the
+    copy (``cudaHostRegister``) so the device writes it at full DMA speed. ``NNVLLM_HANDOVER=plain``
+    skips both (for measuring what they save).
+    """
+    if same_process:
+        return {"tensors": {k: v.to("cpu") for k, v in tensors.items()}}
+    import mmap
+
+    mode = os.environ.get("NNVLLM_HANDOVER", "pin")
+    files = {}
+    d = shm_dir()
+    pending = []
+    for name, v in tensors.items():
+        nbytes = v.numel() * v.element_size()
+        path = os.path.join(d, f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            if nbytes:
+                if mode == "plain":
+                    os.ftruncate(fd, nbytes)
+                    mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+                else:
+                    os.posix_fallocate(fd, 0, nbytes)
+                    mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                host = torch.frombuffer(mm, dtype=torch.uint8).view(v.dtype).view(v.shape)
+                pinned = False
+                if v.is_cuda and mode == "pin":
+                    pinned = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0) == 0
+                host.copy_(v, non_blocking=pinned)
+                pending.append((mm, host.data_ptr() if pinned else None))
+                del host  # the mapping stays until mm.close(), after the copy is done
+        finally:
+            os.close(fd)
+        files[name] = {"path": path, "dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+    if any(ptr is not None for _, ptr in pending):
+        torch.cuda.current_stream().synchronize()
+    for mm, ptr in pending:
+        if ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        try:
+            mm.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with it
+            pass
+    return {"files": files}
+
+
+def open_handover(part: dict) -> dict[str, torch.Tensor]:
+    """The client side of :func:`_handover`: map the files (then unlink them) or take the tensors."""
+    if "tensors" in part:
+        return part["tensors"]
+    out = {}
+    for name, f in part["files"].items():
+        dtype = getattr(torch, f["dtype"])
+        numel = int(np.prod(f["shape"])) if f["shape"] else 1
+        item = torch.empty((), dtype=dtype).element_size()
+        try:
+            if numel:
+                t = torch.from_file(f["path"], shared=True, size=numel * item, dtype=torch.uint8)
+                out[name] = t.view(dtype).view(f["shape"])
+            else:
+                out[name] = torch.empty(f["shape"], dtype=dtype)
+        finally:
+            try:
+                os.unlink(f["path"])  # the mapping keeps the memory until the tensor is freed
+            except FileNotFoundError:
+                pass
+    return out
+
+
+def discard_handover(part: dict) -> None:
+    for f in part.get("files", {}).values():
+        try:
+            os.unlink(f["path"])
+        except FileNotFoundError:
+            pass
+
+
+class RecordingRunner:
+    """Model-runner mixin (first in the MRO): installs the taps at load, places rows each step.
+
+    Also keeps nnsight's tracing honest on an engine that replays CUDA graphs: any step that carries
+    an nnsight request (or runs under an installed ``model.edit``) runs eagerly, so every module
+    nnsight may read or edit runs in Python.
+    """
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        self.nnvllm_install()  # before vLLM records its CUDA graphs (capture_model comes later)
+
+    def nnvllm_install(self) -> None:
+        if getattr(self, "_nnvllm_taps", None) is not None:
+            return
+        from .arch import arch_for
+
+        a = arch_for(self.model_config.architectures)
+        arch = {"family": a.family, "blocks": a.blocks, "sites": dict(a.sites)}
+        cap = 0
+        if self.device.type == "cuda" and not self.model_config.enforce_eager:
+            sizes = getattr(self, "cudagraph_batch_sizes", None) or []
+            cap = max(sizes) if sizes else int(
+                getattr(self.compilation_config, "max_cudagraph_capture_size", 0) or 0)
+        taps = _Taps(self, arch, cap)
+        taps.widths = _site_widths(self.get_model(), arch, taps.tp)
+        if cap:
+            taps.allocate_static(taps.widths)
+        self._nnvllm_taps = taps
+        self._nnvllm_capture = None
+
+    def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        if self._nnvllm_wants_eager():
+            kwargs["force_eager"] = True
+        return super()._determine_batch_execution_and_padding(*args, **kwargs)
+
+    def _nnvllm_wants_eager(self) -> bool:
+        cap = getattr(self, "_nnvllm_capture", None)
+        if cap is not None and cap.need_eager:
+            return True
+        reqs = getattr(self, "nnsight_requests", None)
+        if reqs is None:
+            return False
+        if reqs.templates:
+            return True
+        return any(r.mediator is not None for r in reqs.requests.values())
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        taps = getattr(self, "_nnvllm_taps", None)
+        cap = getattr(self, "_nnvllm_capture", None)
+        if taps is not None:
+            taps.fired = {}
+        out = super().execute_model(scheduler_output, intermediate_tensors)
+        if cap is not None and out is None:
+            cap.step(self)
+        return out
+
+
+class CaptureWorker:
+    """Worker methods nnvllm's engine workers carry (reached by name through ``collective_rpc``).
+
+    By name, not as a function: a multiprocess engine serializes RPCs with msgspec, which refuses
+    functions. Results are small: the bytes of a capture travel through shared memory.
+    """
+
+    def nnvllm_arm(self, spec: dict) -> None:
+        runner = self.model_runner
+        runner.nnvllm_install()
+        cap = _Capture(runner._nnvllm_taps, spec)
+        cap.check_memory()
+        runner._nnvllm_taps.active = True
+        runner._nnvllm_capture = cap
+
+    def nnvllm_disarm(self) -> None:
+        runner = self.model_runner
+        taps = getattr(runner, "_nnvllm_taps", None)
+        if taps is not None:
+            taps.active = False
+        runner._nnvllm_capture = None
+
+    def nnvllm_collect(self, tokens: dict, client_pid: int | None = None) -> dict | None:
+        runner = self.model_runner
+        cap = getattr(runner, "_nnvllm_capture", None)
+        self.nnvllm_disarm()
+        if cap is None:
+            return None
+        return cap.collect(tokens, same_process=client_pid == os.getpid())
+
+    def nnvllm_unembed(self, final_norm: str, unembed: str) -> bytes:
+        """Return this rank's final norm and its slice of the unembedding (original vocab rows only)."""
+        model = self.model_runner.get_model()
+        norm = model.get_submodule(final_norm)
+        head = model.get_submodule(unembed)
+        w = head.weight.detach()
+        idx = getattr(head, "shard_indices", None)
+        if idx is not None:  # VocabParallelEmbedding / ParallelLMHead: [org slice, padding, added]
+            w = w[: idx.num_org_elements]
+        bias = getattr(head, "bias", None)
+        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", 1e-6)
+        import pickle
+
+        return pickle.dumps({
+            "kind": "layernorm" if getattr(norm, "bias", None) is not None else "rmsnorm",
+            "norm_weight": norm.weight.detach().float().cpu(),
+            "norm_bias": None if getattr(norm, "bias", None) is None else norm.bias.detach().float().cpu(),
+            "eps": float(eps),
+            "weight": w.float().cpu(),
+            "bias": None if bias is None or idx is None else bias.detach()[: idx.num_org_elements].float().cpu(),
+        })
