@@ -91,6 +91,15 @@ def _worker(spec_path: str) -> None:
     out = Path(spec["out_dir"])
     import nnvllm as nv
 
+    diag = {k: os.environ.get(k) for k in ("NVIDIA_TF32_OVERRIDE", "TRITON_F32_DEFAULT", "VLLM_FLOAT32_MATMUL_PRECISION")}
+    try:  # what this Triton makes of TRITON_F32_DEFAULT (knobs exist in Triton >= 3.3)
+        import triton
+
+        diag["triton"] = triton.__version__
+        diag["triton_fp32_default"] = str(triton.knobs.language.fp32_default)
+    except Exception as e:  # noqa: BLE001 - a diagnostic only
+        diag["triton_fp32_default"] = f"unreadable ({type(e).__name__})"
+
     for name, path in spec["models"].items():
         t0 = time.perf_counter()
         try:
@@ -102,7 +111,7 @@ def _worker(spec_path: str) -> None:
                 model.close()
             torch.save({"tokens": run.tokens, "prompt_ids": run.prompt_ids, "resid": run.resid,
                         "logits": run.logits, "sites": run.sites, "seconds": time.perf_counter() - t0,
-                        "meta": {k: str(v) for k, v in run.meta.items()}},
+                        "meta": {k: str(v) for k, v in run.meta.items()}, "diag": diag},
                        out / f"{spec['variant']}.{name}.pt")
         except Exception as e:  # noqa: BLE001 - recorded, and the next model still runs
             (out / f"{spec['variant']}.{name}.err").write_text(f"{type(e).__name__}: {e}"[-3000:])
@@ -379,6 +388,7 @@ def main() -> None:
                 if "hf_gpu" in refs[m]:
                     r["vs_hf_gpu"] = _compare(run, refs[m]["hf_gpu"])
                 r["seconds"] = round(run["seconds"], 1)
+                r["diag"] = run.get("diag")
         report["variants"][name] = {"kind": "vllm", **res}
     report["meta"]["wall_s"] = round(time.monotonic() - t_all, 1)
     out.parent.mkdir(parents=True, exist_ok=True)
