@@ -36,7 +36,9 @@ vLLM variants (vLLM 0.26; where each knob lives in its source is noted):
   (``v1/worker/gpu_worker.py``), so the default run already is "highest"; "high" (TF32 in torch
   matmuls) shows how much cuBLAS TF32 alone would add.
 - ``vllm_exact``: ``TRITON_F32_DEFAULT=ieee`` + native ops + ``NVIDIA_TF32_OVERRIDE=0`` together.
-  (Not in the default set; add it with ``--variants``.)
+- ``vllm_eager``: ``cuda_graphs=False`` (nnvllm's GPU engine otherwise replays CUDA graphs for decode
+  steps; the kernels are the same, so this should change nothing — a check, not a suspect).
+  The last two are not in the default set; name them in ``--variants``.
 
 vLLM generates freely (greedy); transformers replays hf_cpu's tokens. Positions are compared up to
 the first generated token where a run differs from hf_cpu (recorded as ``tokens_agree``).
@@ -77,8 +79,9 @@ VARIANTS: dict[str, tuple[dict, dict]] = {
     "vllm_native_ops": ({}, _NATIVE),
     "vllm_matmul_high": ({"VLLM_FLOAT32_MATMUL_PRECISION": "high"}, {}),
     "vllm_exact": ({"TRITON_F32_DEFAULT": "ieee", "NVIDIA_TF32_OVERRIDE": "0"}, _NATIVE),
+    "vllm_eager": ({}, {"cuda_graphs": False}),
 }
-DEFAULT_VARIANTS = [v for v in VARIANTS if v != "vllm_exact"]  # 8 engines' worth
+DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("vllm_exact", "vllm_eager")]  # 8 engines' worth
 
 
 # ----------------------------------------------------------------------------- worker (one variant)
