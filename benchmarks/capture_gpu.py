@@ -117,16 +117,22 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             out = llm.generate(ps[:1], sp, use_tqdm=False)
             res["vllm_lens_shape"] = list(out[0].activations["residual_stream"].shape)
         return res
-    if name in ("nv_graphs", "nv_eager", "nv_isolated"):
+    if name.startswith(("nv_graphs", "nv_eager", "nv_isolated")):
+        mode = name.split("_handover_")[1] if "_handover_" in name else None
+        if mode:
+            os.environ["NNVLLM_HANDOVER"] = mode  # inherited by the engine's processes
         import nnvllm as nv
+        from nnvllm import capture
         from vllm import SamplingParams
 
         kw = {"cuda_graphs": False} if name == "nv_eager" else {}
-        model = nv.load(path, isolate=name == "nv_isolated", dtype="float16", gpu_memory_utilization=gpu_util, **kw)
-        if name != "nv_isolated":
+        model = nv.load(path, isolate=name.startswith("nv_isolated"), dtype="float16",
+                        gpu_memory_utilization=gpu_util, **kw)
+        if not name.startswith("nv_isolated") and not mode:
             sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
             res[name + "_bare"] = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), repeats)
         res[name] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True), repeats)
+        res[name + "_worker_timings"] = dict(capture._LAST_TIMINGS)
         run = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True)
         assert run.resid[0].shape == (L, PROMPT_LEN + T - 1, SHAPES[shape]["d"]), run.resid[0].shape
         if extra.get("save"):

@@ -188,6 +188,11 @@ class _Capture:
         self.free_steps = 0
         self.last_ids: list[str] | None = None
         self.family = spec["family"]
+        # Logits stay in the engine's dtype (what its sampler upcasts): half the bytes of fp32 in fp16.
+        self.logits_dtype = taps.dtype
+        remote = spec.get("client_pid") != os.getpid()
+        self.shm = _ShmFiles() if remote and self.keep and taps.device.type == "cuda" else None
+        self.timings: dict[str, float] = {}
         self.error: str | None = None
 
     def check_memory(self) -> None:
@@ -225,7 +230,11 @@ class _Capture:
                 if s in _SHARDED:
                     w *= t.tp
                 a[s] = torch.empty(len(self.layers), rows_n + 1, w, dtype=t.dtype, device=t.device)
-            a["_logits"] = torch.zeros(steps_n + 1, self._vocab(), dtype=torch.float32, device=t.device)
+            a["_logits"] = torch.zeros(steps_n + 1, self._vocab(), dtype=self.logits_dtype, device=t.device)
+            if self.shm is not None:
+                for x in a.values():
+                    self.shm.prepare(x[:, :rows_n].numel() * x.element_size() if x.dim() == 3
+                                     else steps_n * x.shape[1] * x.element_size())
             self.arenas.append(a)
             self.used_rows, self.used_steps = 0, 0
             self.free_rows, self.free_steps = rows_n, steps_n
@@ -355,10 +364,15 @@ class _Capture:
             for s in self.sites:
                 tensors[s] = arena[s][:, :used_rows]
             if self.sample is not None and used_steps:
+                t0 = _now(dev)
                 tensors.update(self._samples(arena["_logits"][:used_steps], k, reqs, tokens))
+                self.timings["samples"] = self.timings.get("samples", 0.0) + _now(dev) - t0
             if self.logits:
                 tensors["_logits"] = arena["_logits"][:used_steps]
-            out["arenas"].append(_handover(tensors, same_process))
+            t0 = _now(dev)
+            out["arenas"].append(_handover(tensors, same_process, self.shm))
+            self.timings["handover"] = self.timings.get("handover", 0.0) + _now(dev) - t0
+        out["timings"] = dict(self.timings)
         return out
 
     def _samples(self, logits: torch.Tensor, k: int, reqs: dict, tokens: dict) -> dict[str, torch.Tensor]:
@@ -391,6 +405,14 @@ class _Capture:
         return {"_probs": torch.cat(probs_c), "_top_ids": torch.cat(top_i), "_top_probs": torch.cat(top_p_)}
 
 
+def _now(dev) -> float:
+    import time
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()
+
+
 def _to(x: torch.Tensor, dev) -> torch.Tensor:
     if dev.type == "cuda":
         # Pinned (from the caching host allocator, which keeps the block until the copy is done),
@@ -410,53 +432,146 @@ def _gather(x: torch.Tensor, site: str, family: str) -> torch.Tensor:
     return tensor_model_parallel_all_gather(x.contiguous(), -1)
 
 
-def _handover(tensors: dict[str, torch.Tensor], same_process: bool) -> dict:
+class _ShmFiles:
+    """Files in shared memory made ready in a background thread while the engine generates.
+
+    A fresh tmpfs page costs a fault and zeroing when first touched; done at hand-off time that is
+    tens of ms per 100 MB. The sizes are known once the arena exists, so the files are allocated
+    (``posix_fallocate``) and mapped with ``MAP_POPULATE`` during the generation instead.
+    """
+
+    def __init__(self) -> None:
+        import concurrent.futures
+
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+        self.ready: list = []  # futures of (path, mmap, nbytes)
+
+    def prepare(self, nbytes: int) -> None:
+        self.ready.append(self.pool.submit(_new_shm, nbytes))
+
+    def take(self, nbytes: int):
+        """A prepared file of at least ``nbytes`` (trimmed to it), else a new one."""
+        for i, fut in enumerate(self.ready):
+            path, mm, size = fut.result()
+            if size >= nbytes:
+                self.ready.pop(i)
+                if size > nbytes:
+                    mm.close()
+                    os.truncate(path, nbytes)
+                    mm = _map(path, nbytes)
+                return path, mm
+        path, mm, _ = _new_shm(nbytes)
+        return path, mm
+
+    def discard(self) -> None:
+        for fut in self.ready:
+            try:
+                path, mm, _ = fut.result()
+                mm.close()
+                os.unlink(path)
+            except Exception:  # noqa: BLE001
+                pass
+        self.ready = []
+        self.pool.shutdown(wait=False)
+
+
+def _map(path: str, nbytes: int):
+    import mmap
+
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    finally:
+        os.close(fd)
+
+
+def _new_shm(nbytes: int):
+    path = os.path.join(shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
+    finally:
+        os.close(fd)
+    return path, (_map(path, nbytes) if nbytes else None), nbytes
+
+
+_STAGING: list = []  # two pinned buffers, reused across hand-offs
+
+
+def _d2h(host: torch.Tensor, v: torch.Tensor, mode: str) -> None:
+    """Copy device tensor ``v`` into the shared-memory tensor ``host`` (same shape)."""
+    if not v.is_cuda:
+        host.copy_(v)
+        return
+    if mode == "pin":
+        nbytes = host.numel() * host.element_size()
+        if torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0) == 0:
+            try:
+                host.copy_(v, non_blocking=True)
+                torch.cuda.current_stream().synchronize()
+            finally:
+                torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
+            return
+    if mode == "stage":
+        # Device -> pinned staging (DMA) -> shared memory (multi-threaded CPU copy), two buffers
+        # so the next chunk's DMA overlaps this chunk's CPU copy.
+        chunk = 64 << 20
+        if not _STAGING:
+            _STAGING.extend(torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+        src = v.contiguous().view(-1).view(torch.uint8)
+        dst = host.view(-1).view(torch.uint8)
+        events = [torch.cuda.Event(), torch.cuda.Event()]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, min(8, os.cpu_count() or 1)))
+        try:
+            n = src.numel()
+            starts = list(range(0, n, chunk))
+            for i, a in enumerate(starts):
+                b = min(a + chunk, n)
+                k = i % 2
+                _STAGING[k][: b - a].copy_(src[a:b], non_blocking=True)
+                events[k].record()
+                if i > 0:
+                    pa = starts[i - 1]
+                    pb = min(pa + chunk, n)
+                    events[1 - k].synchronize()
+                    dst[pa:pb].copy_(_STAGING[1 - k][: pb - pa])
+            if starts:
+                k = (len(starts) - 1) % 2
+                a = starts[-1]
+                events[k].synchronize()
+                dst[a:].copy_(_STAGING[k][: n - a])
+        finally:
+            torch.set_num_threads(threads)
+        return
+    host.copy_(v)
+
+
+def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFiles | None" = None) -> dict:
     """Move tensors to the client: directly in one process, else through files in shared memory.
 
-    Each tensor becomes one file in ``/dev/shm``: allocated with ``posix_fallocate`` and mapped
-    with ``MAP_POPULATE`` (no page fault per 4 KiB while copying), and on a GPU pinned for the
-    copy (``cudaHostRegister``) so the device writes it at full DMA speed. ``NNVLLM_HANDOVER=plain``
-    skips both (for measuring what they save).
+    Each tensor becomes one file in ``/dev/shm``, prepared during the generation (:class:`_ShmFiles`).
+    ``NNVLLM_HANDOVER`` picks how a GPU tensor gets there: ``stage`` (default: DMA into a pinned
+    staging buffer, then a multi-threaded copy), ``pin`` (pin the file's pages for the copy) or
+    ``plain`` (a pageable copy).
     """
     if same_process:
         return {"tensors": {k: v.to("cpu") for k, v in tensors.items()}}
-    import mmap
-
-    mode = os.environ.get("NNVLLM_HANDOVER", "pin")
+    mode = os.environ.get("NNVLLM_HANDOVER", "stage")
     files = {}
-    d = shm_dir()
-    pending = []
     for name, v in tensors.items():
         nbytes = v.numel() * v.element_size()
-        path = os.path.join(d, f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            if nbytes:
-                if mode == "plain":
-                    os.ftruncate(fd, nbytes)
-                    mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
-                else:
-                    os.posix_fallocate(fd, 0, nbytes)
-                    mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-                host = torch.frombuffer(mm, dtype=torch.uint8).view(v.dtype).view(v.shape)
-                pinned = False
-                if v.is_cuda and mode == "pin":
-                    pinned = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0) == 0
-                host.copy_(v, non_blocking=pinned)
-                pending.append((mm, host.data_ptr() if pinned else None))
-                del host  # the mapping stays until mm.close(), after the copy is done
-        finally:
-            os.close(fd)
+        path, mm = shm.take(nbytes) if shm is not None else _new_shm(nbytes)[:2]
+        if nbytes:
+            host = torch.frombuffer(mm, dtype=torch.uint8).view(v.dtype).view(v.shape)
+            _d2h(host, v, mode)
+            del host
+            try:
+                mm.close()
+            except BufferError:
+                pass
         files[name] = {"path": path, "dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
-    if any(ptr is not None for _, ptr in pending):
-        torch.cuda.current_stream().synchronize()
-    for mm, ptr in pending:
-        if ptr is not None:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        try:
-            mm.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with it
-            pass
     return {"files": files}
 
 
@@ -569,15 +684,25 @@ class CaptureWorker:
         taps = getattr(runner, "_nnvllm_taps", None)
         if taps is not None:
             taps.active = False
+        cap = getattr(runner, "_nnvllm_capture", None)
         runner._nnvllm_capture = None
+        if cap is not None and cap.shm is not None:
+            cap.shm.discard()
 
     def nnvllm_collect(self, tokens: dict, client_pid: int | None = None) -> dict | None:
         runner = self.model_runner
         cap = getattr(runner, "_nnvllm_capture", None)
-        self.nnvllm_disarm()
+        taps = getattr(runner, "_nnvllm_taps", None)
+        if taps is not None:
+            taps.active = False
+        runner._nnvllm_capture = None
         if cap is None:
             return None
-        return cap.collect(tokens, same_process=client_pid == os.getpid())
+        try:
+            return cap.collect(tokens, same_process=client_pid == os.getpid())
+        finally:
+            if cap.shm is not None:
+                cap.shm.discard()
 
     def nnvllm_unembed(self, final_norm: str, unembed: str) -> bytes:
         """Return this rank's final norm and its slice of the unembedding (original vocab rows only)."""

@@ -19,6 +19,8 @@ from .results import Run, Samples
 
 __all__ = ["generate"]
 
+_LAST_TIMINGS: dict[str, float] = {}  # the worker's collect-time breakdown of the last call (benchmarks)
+
 # ---------------------------------------------------------------- the engine adapter
 # generate() and unembedding() reach the engine through one of these: in-process it is vLLM's
 # synchronous LLM in this process; an isolated engine (nnvllm.isolated) provides its own adapter
@@ -176,7 +178,7 @@ def generate(
     params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
     spec = {"family": arch.family, "layers": list(layer_ids), "sites": list(wanted), "logits": bool(logits),
             "sample": {"temperature": float(temperature), "top_p": float(top_p), "k": int(top_k)},
-            **_size_hint(model, prompts, max_tokens)}
+            "client_pid": os.getpid(), **_size_hint(model, prompts, max_tokens)}
     outputs, handoff = engine.capture(prompts, params, spec)
     info = engine.info()
     if handoff is None:
@@ -186,6 +188,8 @@ def generate(
     from ._worker import open_handover
 
     arenas = [open_handover(a) for a in handoff["arenas"]]
+    _LAST_TIMINGS.clear()
+    _LAST_TIMINGS.update(handoff.get("timings") or {})
     # Internal request ids are the external id plus "-<8 random chars>" (vLLM >= 0.11).
     external = {o["request_id"] for o in outputs}
     by_external = {(rid if rid in external else rid.rsplit("-", 1)[0]): rec
