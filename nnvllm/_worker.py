@@ -432,6 +432,26 @@ def _gather(x: torch.Tensor, site: str, family: str) -> torch.Tensor:
     return tensor_model_parallel_all_gather(x.contiguous(), -1)
 
 
+def sweep_stale() -> list[str]:
+    """Remove hand-off files whose engine process is gone (a client killed before it mapped them)."""
+    d, gone = shm_dir(), []
+    for name in os.listdir(d):
+        if not name.startswith(SHM_PREFIX):
+            continue
+        try:
+            pid = int(name[len(SHM_PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except (ValueError, ProcessLookupError):
+            try:
+                os.unlink(os.path.join(d, name))
+                gone.append(name)
+            except OSError:
+                pass
+        except PermissionError:
+            pass
+    return gone
+
+
 class _ShmFiles:
     """Files in shared memory made ready in a background thread while the engine generates.
 
@@ -617,6 +637,7 @@ class RecordingRunner:
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         self.nnvllm_install()  # before vLLM records its CUDA graphs (capture_model comes later)
+        sweep_stale()
 
     def nnvllm_install(self) -> None:
         if getattr(self, "_nnvllm_taps", None) is not None:
