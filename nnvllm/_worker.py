@@ -343,7 +343,7 @@ class _Capture:
             ldst = torch.where(lpos >= _to(torch.from_numpy(self.tab[req_sel, 3] - 1), dev), ldst,
                                torch.full_like(ldst, arena["_logits"].shape[0] - 1))
             rows = lg[:n] if len(arenas_here) == 1 else lg[_to(torch.from_numpy(req_sel), dev)]
-            arena["_logits"].index_copy_(0, ldst, rows.float())
+            arena["_logits"].index_copy_(0, ldst, rows.to(arena["_logits"].dtype))
 
     # ---- at the end
     def collect(self, tokens: dict[str, list[int]], same_process: bool) -> dict | None:
