@@ -135,6 +135,14 @@ def patch(
         >>> res = nv.patch(model, clean="The capital of France is", corrupt="The capital of Italy is",
         ...                answer=" Paris", wrong=" Rome")                          # doctest: +SKIP
     """
+    from .engine import uses_cuda_graphs
+
+    if uses_cuda_graphs(model):
+        # Seen on an H200 (vLLM 0.26): nv.patch on an engine loaded with cuda_graphs=True ended
+        # the engine core with a CUDA error; until that is understood it is refused here.
+        raise RuntimeError(
+            "nv.patch needs an eager engine, and this one replays CUDA graphs (cuda_graphs=True). "
+            "Load one with nv.load(..., cuda_graphs=False) (the default) for patching.")
     if site not in ("resid", "attn", "mlp"):
         raise ValueError(f"site={site!r}; patch() writes 'resid', 'attn' or 'mlp' (same width as the stream)")
     tok = model.tokenizer

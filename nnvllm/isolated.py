@@ -547,7 +547,10 @@ def _check_json(engine_args: dict) -> None:
 
 def _meta_model(cls, checkpoint: str, engine_args: dict):
     """Build the client's meta-only model (never dispatched) and close its torch TCPStore."""
-    model = cls(checkpoint, **engine_args)
+    from .engine import real_stdout
+
+    with real_stdout():
+        model = cls(checkpoint, **engine_args)
     if getattr(model, "_owns_distributed", False):
         # VLLM.__init__ started a process group (a TCPStore listening on every interface) only to
         # build the meta tree; nothing here needs it, so it goes now.
