@@ -1,0 +1,183 @@
+"""Check the arguments of the verbs on the client, before anything reaches an engine.
+
+An engine is shared and slow to start; a bad value that gets through (a seed beyond 64 bits, a NaN
+temperature, ``max_tokens=10**9``) can crash or wedge it for everyone. So every argument is checked
+here, in plain Python (no vLLM, no torch), and a refusal names the argument, what was expected and
+what came: ``temperature='hot': expected a number >= 0``. Checkers return the value normalised to
+a plain Python type (a numpy integer becomes an ``int``) and raise ``TypeError`` for a wrong kind of
+value, ``ValueError`` for a right kind out of range.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .arch import SITES
+
+__all__ = ["SEED_MAX", "boolean", "fits_context", "integer", "layers", "number", "prompts", "rng_seed", "sampling",
+           "sites"]
+
+SEED_MAX = 2**63 - 1  # vLLM (and torch) seeds are signed 64-bit
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """``repr`` of a user's value, cut short, with its type where the repr alone could mislead."""
+    r = repr(value)
+    if len(r) > limit:
+        r = r[: limit - 3] + "..."
+    if type(value) in (str, bool, int, float, type(None), list, tuple):
+        return r
+    return f"{r} ({type(value).__name__})"
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int to Python, never to a researcher passing max_tokens=True by mistake.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+
+
+def integer(name: str, value: Any, *, lo: int | None = None, hi: int | None = None, why: str = "",
+            expected: str | None = None) -> int:
+    """Return ``value`` as an ``int`` in ``[lo, hi]``; refuse bools, floats, strings."""
+    if expected is None:
+        bounds = (f" >= {lo}" if hi is None else f" with {lo} <= {name} <= {hi}") if lo is not None else (
+            f" <= {hi}" if hi is not None else "")
+        expected = f"expected an int{bounds}{why}"
+    if not _is_int(value):
+        raise TypeError(f"{name}={_show(value)}: {expected}")
+    v = int(value)
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name}={v}: {expected}")
+    return v
+
+
+def number(name: str, value: Any, *, lo: float = 0.0, lo_open: bool = False, hi: float | None = None) -> float:
+    """Return a finite real ``value`` with ``lo <= value`` (``lo < value`` if ``lo_open``) and ``value <= hi``."""
+    expected = (f"a number {'>' if lo_open else '>='} {lo:g}" if hi is None
+                else f"a number with {lo:g} {'<' if lo_open else '<='} x <= {hi:g}")
+    if not isinstance(value, numbers.Real) or isinstance(value, bool) or type(value).__name__ == "bool_":
+        raise TypeError(f"{name}={_show(value)}: expected {expected}")
+    v = float(value)
+    if not math.isfinite(v) or (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
+        raise ValueError(f"{name}={value!r}: expected {expected}")
+    return value if type(value) in (int, float) else v
+
+
+def boolean(name: str, value: Any) -> bool:
+    """Return ``value`` if it is a bool (numpy's included); a string such as ``"no"`` is refused."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{name}={_show(value)}: expected True or False")
+
+
+def rng_seed(value: Any, name: str = "seed") -> int | None:
+    """``None`` (unseeded) or an int that fits vLLM's signed 64-bit seed, ``0..2**63-1``."""
+    if value is None:
+        return None
+    return integer(name, value, lo=0, hi=SEED_MAX,
+                   expected=f"expected None or an int with 0 <= {name} <= 2**63 - 1 (vLLM seeds are signed 64-bit)")
+
+
+def prompts(value: Any, name: str = "prompts") -> list[str]:
+    """One prompt or a non-empty list of them, each a non-empty ``str``; returned as a list."""
+    rule = f"every prompt must be a non-empty str ({name} must be a str or a non-empty list of str)"
+    if isinstance(value, str):
+        if not value:
+            raise ValueError(f"{name}='': {rule}; an empty prompt has no token to start from")
+        return [value]
+    if not isinstance(value, Sequence) or isinstance(value, (bytes, bytearray)):
+        raise TypeError(f"{name}={_show(value)}: {rule}")
+    items = list(value)
+    if not items:
+        raise ValueError(f"{name}={_show(value)} is empty: {rule}")
+    for i, p in enumerate(items):
+        if not isinstance(p, str):
+            raise TypeError(f"{name}[{i}] is {_show(p)}; {rule}")
+        if not p:
+            raise ValueError(f"{name}[{i}] is ''; {rule}")
+    return [str(p) for p in items]
+
+
+def layers(value: Any, n_layers: int, name: str = "layers") -> list[int]:
+    """Block indices from ``"all"``, ``None``, an int or an iterable of ints; negatives count from the end."""
+    expected = "expected 'all', an int, a list of ints or None"
+    if value is None:
+        return []
+    if isinstance(value, str):
+        if value != "all":
+            raise ValueError(f"{name}={value!r}: {expected}")
+        return list(range(n_layers))
+    if _is_int(value):
+        items, single = [value], True
+    elif isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray, dict)):
+        items, single = list(value), False
+    else:
+        raise TypeError(f"{name}={_show(value)}: {expected}")
+    out = []
+    for i, x in enumerate(items):
+        where = name if single else f"{name}[{i}]"
+        if not _is_int(x):
+            raise TypeError(f"{where}={_show(x)}: {name} must hold ints (block indices); {expected}")
+        if not -n_layers <= x < n_layers:
+            raise ValueError(f"{name}={_show(value)}: layer={x} out of range for a {n_layers}-layer model "
+                             f"(0-{n_layers - 1}, or -{n_layers}..-1 from the end)")
+        out.append(int(x) % n_layers)
+    return out
+
+
+def sites(value: Any, name: str = "sites") -> tuple[str, ...]:
+    """Extra per-block sites: a name, a list of names from ``SITES[1:]``, or ``None``/``()`` for none."""
+    allowed = [s for s in SITES if s != "resid"]
+    expected = f"expected a list of names from {allowed}"
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, Iterable) or isinstance(value, (bytes, bytearray, dict)):
+        raise TypeError(f"{name}={_show(value)}: {expected}")
+    items = list(value)
+    for i, s in enumerate(items):
+        if not isinstance(s, str):
+            raise TypeError(f"{name}[{i}]={_show(s)}: {expected}")
+    bad = [s for s in items if s not in allowed]
+    if bad:
+        extra = " (the residual stream is always kept for the chosen layers)" if "resid" in bad else ""
+        raise ValueError(f"{name}={items!r}: unknown {bad}; choose from {allowed}{extra}")
+    return tuple(dict.fromkeys(items))
+
+
+def sampling(*, max_tokens: Any, temperature: Any, top_p: Any, seed: Any, top_k: Any, logits: Any,
+             ignore_eos: Any) -> dict:
+    """Check the sampling arguments shared by ``generate`` and ``reference``; return them normalised."""
+    return {
+        "max_tokens": integer("max_tokens", max_tokens, lo=1, why=" (tokens to generate per prompt)"),
+        "temperature": number("temperature", temperature, lo=0.0),
+        "top_p": number("top_p", top_p, lo=0.0, lo_open=True, hi=1.0),
+        "seed": rng_seed(seed),
+        "top_k": integer("top_k", top_k, lo=1, why=" (alternatives reported per step)"),
+        "logits": boolean("logits", logits),
+        "ignore_eos": boolean("ignore_eos", ignore_eos),
+    }
+
+
+def fits_context(prompt_lens: Sequence[int] | None, max_tokens: int, context: int | None) -> None:
+    """Refuse a request that cannot fit the model's context (``prompt + max_tokens <= context``).
+
+    ``prompt_lens`` (token counts, one per prompt) may be ``None`` when no tokenizer is at hand: then
+    only ``max_tokens`` itself is checked. ``context`` ``None``: nothing is known, nothing is checked.
+    """
+    if context is None:
+        return
+    if max_tokens >= context:
+        raise ValueError(f"max_tokens={max_tokens}: the model's context is {context} tokens, prompt included; "
+                         f"expected max_tokens <= {context - 1}")
+    for i, n in enumerate(prompt_lens or ()):
+        if n + max_tokens > context:
+            room = context - n
+            fix = (f"use max_tokens <= {room}" if room >= 1 else
+                   "shorten the prompt (it alone fills the context)")
+            raise ValueError(
+                f"prompts[{i}] is {n} tokens and max_tokens={max_tokens}: {n} + {max_tokens} = {n + max_tokens} "
+                f"exceeds the model's context length of {context}; {fix}")
