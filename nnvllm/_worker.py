@@ -193,6 +193,7 @@ class _Capture:
         remote = spec.get("client_pid") != os.getpid()
         self.shm = _ShmFiles() if remote and self.keep and taps.device.type == "cuda" else None
         self.timings: dict[str, float] = {}
+        self.stats = {"rows": 0, "partial_prefills": 0}
         self.error: str | None = None
 
     def check_memory(self) -> None:
@@ -301,6 +302,10 @@ class _Capture:
             self.tab = np.array([[e[0], e[1], e[3], e[4]] for e in ents], dtype=np.int64)
         counts = np.diff(qsl)
         tok_req = np.repeat(np.arange(n), counts)
+        # Bookkeeping the tests read (host-side numbers only): rows placed, prompt chunks seen.
+        self.stats["rows"] += ntok
+        done = runner.input_batch.num_computed_tokens_cpu[:n] + counts
+        self.stats["partial_prefills"] += int((done < self.tab[:, 3]).sum())
         pos = runner.positions[:ntok]
         if pos.device != dev:
             pos = pos.to(dev)
@@ -373,6 +378,7 @@ class _Capture:
             out["arenas"].append(_handover(tensors, same_process, self.shm))
             self.timings["handover"] = self.timings.get("handover", 0.0) + _now(dev) - t0
         out["timings"] = dict(self.timings)
+        out["stats"] = dict(self.stats)
         return out
 
     def _samples(self, logits: torch.Tensor, k: int, reqs: dict, tokens: dict) -> dict[str, torch.Tensor]:
