@@ -15,6 +15,8 @@ import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from .arch import SITES
 
 __all__ = ["SEED_MAX", "boolean", "fits_context", "integer", "layers", "number", "prompts", "rng_seed", "sampling",
@@ -35,7 +37,7 @@ def _show(value: Any, limit: int = 60) -> str:
 
 def _is_int(value: Any) -> bool:
     # bool is an int to Python, never to a researcher passing max_tokens=True by mistake.
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def integer(name: str, value: Any, *, lo: int | None = None, hi: int | None = None, why: str = "",
@@ -57,7 +59,7 @@ def number(name: str, value: Any, *, lo: float = 0.0, lo_open: bool = False, hi:
     """Return a finite real ``value`` with ``lo <= value`` (``lo < value`` if ``lo_open``) and ``value <= hi``."""
     expected = (f"a number {'>' if lo_open else '>='} {lo:g}" if hi is None
                 else f"a number with {lo:g} {'<' if lo_open else '<='} x <= {hi:g}")
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or type(value).__name__ == "bool_":
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name}={_show(value)}: expected {expected}")
     v = float(value)
     if not math.isfinite(v) or (v <= lo if lo_open else v < lo) or (hi is not None and v > hi):
@@ -67,7 +69,7 @@ def number(name: str, value: Any, *, lo: float = 0.0, lo_open: bool = False, hi:
 
 def boolean(name: str, value: Any) -> bool:
     """Return ``value`` if it is a bool (numpy's included); a string such as ``"no"`` is refused."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise TypeError(f"{name}={_show(value)}: expected True or False")
 

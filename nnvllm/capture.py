@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
-from .arch import SITES
+from . import _validate
 from .results import Run, Samples
 
 __all__ = ["generate"]
@@ -87,36 +86,32 @@ def _size_hint(model, prompts: list[str], max_tokens: int) -> dict:
 
 
 def _layers(spec, n_layers: int) -> list[int]:
-    if spec is None:
-        return []
-    if isinstance(spec, str):
-        if spec != "all":
-            raise ValueError(f"layers={spec!r}; expected 'all', an int, a list of ints or None")
-        return list(range(n_layers))
-    items = [spec] if isinstance(spec, int) else list(spec)
-    out = []
-    for x in items:
-        if not isinstance(x, (int, np.integer)) or isinstance(x, bool):
-            raise TypeError(f"layers must hold ints, got {x!r} ({type(x).__name__})")
-        if not -n_layers <= x < n_layers:
-            raise ValueError(
-                f"layer={x} out of range for a {n_layers}-layer model (0-{n_layers - 1})"
-            ) from None
-        out.append(int(x) % n_layers)
-    return out
+    """``layers=`` as block indices (see :func:`nnvllm._validate.layers`)."""
+    return _validate.layers(spec, n_layers)
 
 
 def _prompts(prompts) -> list[str]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if not isinstance(prompts, Sequence) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise TypeError(
-            f"prompts must be a str or a non-empty list of str, got {type(prompts).__name__}"
-            + (f" {prompts!r}"[:80] if not isinstance(prompts, Sequence) or not prompts else "")
-        ) from None
-    if any(not p for p in prompts):
-        raise ValueError("prompts contains an empty string; every prompt needs at least one token")
-    return list(prompts)
+    """``prompts=`` as a list of non-empty str (see :func:`nnvllm._validate.prompts`)."""
+    return _validate.prompts(prompts)
+
+
+def _context_len(model, engine) -> int | None:
+    """The engine's context length (``max_model_len``), or None where it is not at hand cheaply."""
+    try:
+        n = engine.info().get("max_model_len")  # an isolated engine reports it
+        if n is None:
+            n = model.llm.llm_engine.model_config.max_model_len  # in-process
+    except Exception:  # noqa: BLE001  unknown: the engine checks it itself
+        return None
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def _prompt_lens(model, prompts: list[str]) -> list[int] | None:
+    """Token count per prompt, as the engine will see it (None without a tokenizer)."""
+    try:
+        return [len(ids) for ids in model.tokenizer(prompts)["input_ids"]]
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def generate(
@@ -157,24 +152,22 @@ def generate(
         >>> run.text[0], run.resid[0].shape                                        # doctest: +SKIP
         (' Paris.', torch.Size([6, 6, 64]))
     """
+    # Every argument is checked here, on the client: a bad value must never reach (and wedge) the engine.
+    if getattr(model, "arch", None) is None or not hasattr(model, "n_layers"):
+        raise TypeError(f"model={_validate._show(model)}: expected a model from nv.load(...)")
     prompts = _prompts(prompts)
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens!r}; expected an int >= 1")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature={temperature}, top_p={top_p}; expected temperature >= 0 and 0 < top_p <= 1")
-    if not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k={top_k!r}; expected an int >= 1 (alternatives reported per step)")
-    if isinstance(sites, str):
-        sites = (sites,)
-    bad = [s for s in sites if s not in SITES or s == "resid"]
-    if bad:
-        raise ValueError(f"sites={list(sites)!r}: unknown {bad}; choose from {list(SITES[1:])}")
-    engine = engine_of(model)  # a closed (or dead) engine says so here
+    checked = _validate.sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                 top_k=top_k, logits=logits, ignore_eos=ignore_eos)
+    max_tokens, temperature, top_p, seed, top_k, logits, ignore_eos = (checked[k] for k in (
+        "max_tokens", "temperature", "top_p", "seed", "top_k", "logits", "ignore_eos"))
+    sites = _validate.sites(sites)
     layer_ids = _layers(layers, model.n_layers)
-    arch = model.arch
-    wanted = (("resid",) if layer_ids else ()) + tuple(dict.fromkeys(sites))
     if sites and not layer_ids:
-        raise ValueError("sites= needs layers (which blocks to read them at); got layers=None")
+        raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
+    engine = engine_of(model)  # a closed (or dead) engine says so here
+    _validate.fits_context(_prompt_lens(model, prompts), max_tokens, _context_len(model, engine))
+    arch = model.arch
+    wanted = (("resid",) if layer_ids else ()) + sites
     params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
     spec = {"family": arch.family, "layers": list(layer_ids), "sites": list(wanted), "logits": bool(logits),
             "sample": {"temperature": float(temperature), "top_p": float(top_p), "k": int(top_k)},

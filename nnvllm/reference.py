@@ -10,16 +10,35 @@ sampling would have drawn differently.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Sequence
 
 import torch
 
-from .arch import SITES, arch_for
-from .capture import _layers, _prompts
+from . import _validate
+from .arch import arch_for
 from .results import Run
 from .sampling import sample_stats, sampling_probs
 
 __all__ = ["reference", "load_reference"]
+
+
+def _tokens(tokens, n_prompts: int) -> list[list[int]] | None:
+    """``tokens=`` (teacher forcing): None, or one non-empty list of token ids per prompt."""
+    if tokens is None:
+        return None
+    expected = f"expected None or one list of token ids per prompt ({n_prompts})"
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise TypeError(f"tokens={_validate._show(tokens)}: {expected}")
+    if len(tokens) != n_prompts:
+        raise ValueError(f"tokens has {len(tokens)} entries for {n_prompts} prompts; give one list per prompt")
+    out = []
+    for i, t in enumerate(tokens):
+        if isinstance(t, (str, bytes)) or not isinstance(t, Sequence) or not len(t):
+            raise (ValueError if isinstance(t, Sequence) and not isinstance(t, (str, bytes)) else TypeError)(
+                f"tokens[{i}]={_validate._show(t)}: {expected}, each non-empty")
+        out.append([_validate.integer(f"tokens[{i}][{j}]", x, lo=0) for j, x in enumerate(t)])
+    return out
 
 
 @functools.lru_cache(maxsize=4)
@@ -115,17 +134,39 @@ def reference(
     import json
     from pathlib import Path
 
-    prompts = _prompts(prompts)
-    if tokens is not None and len(tokens) != len(prompts):
-        raise ValueError(f"tokens has {len(tokens)} entries for {len(prompts)} prompts; give one list per prompt")
-    bad = [s for s in sites if s not in SITES or s == "resid"]
-    if bad:
-        raise ValueError(f"sites={list(sites)!r}: unknown {bad}; choose from {list(SITES[1:])}")
-    model, tok = load_reference(str(path), dtype, str(torch.device(device)))
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path={_validate._show(path)}: expected a checkpoint directory or a hub id (str)")
+    prompts = _validate.prompts(prompts)
+    checked = _validate.sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                 top_k=top_k, logits=logits, ignore_eos=ignore_eos)
+    max_tokens, temperature, top_p, seed, top_k, logits, ignore_eos = (checked[k] for k in (
+        "max_tokens", "temperature", "top_p", "seed", "top_k", "logits", "ignore_eos"))
+    sites = _validate.sites(sites)
+    tokens = _tokens(tokens, len(prompts))
+    dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if not (isinstance(dt, torch.dtype) and dt.is_floating_point):
+        raise (TypeError if not isinstance(dtype, str) else ValueError)(
+            f"dtype={_validate._show(dtype)}: expected a torch float dtype's name: 'float32', 'bfloat16' or 'float16'")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={_validate._show(device)}: expected a torch device such as 'cpu' or 'cuda'") from None
+    model, tok = load_reference(str(path), dtype, str(device))
     cfg = json.loads((Path(path) / "config.json").read_text()) if Path(path).is_dir() else model.config.to_dict()
     arch = arch_for(cfg.get("architectures"), where=repr(path))
-    layer_ids = _layers(layers, len(model.get_submodule(arch.blocks)))
-    wanted = (("resid",) if layer_ids else ()) + tuple(dict.fromkeys(sites))
+    layer_ids = _validate.layers(layers, len(model.get_submodule(arch.blocks)))
+    if sites and not layer_ids:
+        raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
+    wanted = (("resid",) if layer_ids else ()) + sites
+    vocab = model.get_input_embeddings().num_embeddings
+    for i, t in enumerate(tokens or ()):
+        bad = [x for x in t if not 0 <= x < vocab]
+        if bad:
+            raise ValueError(f"tokens[{i}] holds ids {bad[:5]} outside the vocabulary (0-{vocab - 1})")
+    if tokens is None:
+        context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        _validate.fits_context([len(tok.encode(p)) for p in prompts], max_tokens,
+                               context if isinstance(context, int) else None)
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
     eos = tok.eos_token_id
 
@@ -133,7 +174,7 @@ def reference(
               resid=[] if layer_ids else None, layers=layer_ids, sites={s: [] for s in wanted if s != "resid"},
               sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             top_k=top_k, ignore_eos=ignore_eos),
-              meta=dict(engine="transformers", model=str(path), dtype=dtype, tp=1, device=str(torch.device(device))))
+              meta=dict(engine="transformers", model=str(path), dtype=dtype, tp=1, device=str(device)))
     for i, prompt in enumerate(prompts):
         p_ids = tok.encode(prompt)
         if tokens is not None:
