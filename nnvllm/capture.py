@@ -8,7 +8,10 @@ whose per-request tensors are views of the few large buffers the worker handed o
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -18,7 +21,10 @@ from .results import Run, Samples
 
 __all__ = ["generate"]
 
-_LAST_TIMINGS: dict[str, float] = {}  # the worker's collect-time breakdown of the last call (benchmarks)
+# The worker's account of the last call: collect-time breakdown (benchmarks) and placement counts
+# (rows placed, prompt chunks), which the scheduling tests read.
+_LAST_TIMINGS: dict[str, float] = {}
+_LAST_STATS: dict[str, int] = {}
 
 # ---------------------------------------------------------------- the engine adapter
 # generate() and unembedding() reach the engine through one of these: in-process it is vLLM's
@@ -48,7 +54,8 @@ class InProcessEngine:
 
         self.llm.collective_rpc("nnvllm_arm", args=(spec,))
         try:
-            outputs = [plain_output(o) for o in self.llm.generate(prompts, SamplingParams(**params), use_tqdm=False)]
+            with interruptible(self.llm):
+                outputs = [plain_output(o) for o in self.llm.generate(prompts, SamplingParams(**params), use_tqdm=False)]
         except BaseException:
             self.llm.collective_rpc("nnvllm_disarm")
             raise
@@ -65,6 +72,45 @@ class InProcessEngine:
         eng = self.llm.llm_engine
         return {"dtype": str(eng.model_config.dtype), "vocab_size": eng.model_config.get_vocab_size(),
                 "tp": eng.vllm_config.parallel_config.tensor_parallel_size}
+
+
+@contextlib.contextmanager
+def interruptible(llm):
+    """Let Ctrl-C (a notebook's stop button) end a generation between engine steps, cleanly.
+
+    An in-process engine steps in this thread; an interrupt landing inside a step left its requests
+    in vLLM's scheduler and the next call spun forever. While this is active, the first SIGINT only
+    sets a flag; before its next step the engine aborts every unfinished request and
+    ``KeyboardInterrupt`` is raised, so the engine is ready for the next call. A second SIGINT
+    interrupts at once (for a step that never returns).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    eng = llm.llm_engine
+    asked = threading.Event()
+    real_step = eng.step
+
+    def on_sigint(signum, frame):
+        if asked.is_set():
+            raise KeyboardInterrupt
+        asked.set()
+
+    def step(*args, **kwargs):
+        if asked.is_set():
+            pending = list(getattr(eng.output_processor, "request_states", {}))
+            if pending:
+                eng.abort_request(pending, internal=True)
+            raise KeyboardInterrupt("generation interrupted; its requests were aborted and the engine is ready")
+        return real_step(*args, **kwargs)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    eng.step = step
+    try:
+        yield
+    finally:
+        del eng.step  # the instance attribute; the class's step is back
+        signal.signal(signal.SIGINT, previous)
 
 
 def engine_of(model):
@@ -183,6 +229,8 @@ def generate(
     arenas = [open_handover(a) for a in handoff["arenas"]]
     _LAST_TIMINGS.clear()
     _LAST_TIMINGS.update(handoff.get("timings") or {})
+    _LAST_STATS.clear()
+    _LAST_STATS.update(handoff.get("stats") or {})
     # Internal request ids are the external id plus "-<8 random chars>" (vLLM >= 0.11).
     external = {o["request_id"] for o in outputs}
     by_external = {(rid if rid in external else rid.rsplit("-", 1)[0]): rec
