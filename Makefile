@@ -34,8 +34,9 @@ setup: $(BIN)/.ready
 toy: setup
 	$(BIN)/python -m nnvllm.toy
 
+# As root (containers, cloud notebooks) Jupyter refuses to start without --allow-root.
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 # Headless: run the first notebook and write its plots to build/demo/.
 demo: setup
