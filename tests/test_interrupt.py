@@ -33,3 +33,14 @@ def _interrupt_then_check(model):
 
 def test_interrupt_in_process(toy):
     _interrupt_then_check(toy)
+
+
+@pytest.fixture(scope="module")
+def isolated_toy(toy_path):
+    model = nv.load(toy_path, isolate=True)
+    yield model
+    model.close()
+
+
+def test_interrupt_isolated(isolated_toy):
+    _interrupt_then_check(isolated_toy)
