@@ -19,8 +19,8 @@ import numpy as np
 
 from .arch import SITES
 
-__all__ = ["SEED_MAX", "boolean", "fits_context", "integer", "layers", "number", "prompts", "rng_seed", "sampling",
-           "sites"]
+__all__ = ["DTYPES", "SEED_MAX", "boolean", "dtype", "engine_args", "fits_context", "integer", "layers", "number",
+           "prompts", "rng_seed", "sampling", "sites", "token_id"]
 
 SEED_MAX = 2**63 - 1  # vLLM (and torch) seeds are signed 64-bit
 
@@ -183,3 +183,58 @@ def fits_context(prompt_lens: Sequence[int] | None, max_tokens: int, context: in
             raise ValueError(
                 f"prompts[{i}] is {n} tokens and max_tokens={max_tokens}: {n} + {max_tokens} = {n + max_tokens} "
                 f"exceeds the model's context length of {context}; {fix}")
+
+
+# ---------------------------------------------------------------- nv.load's engine arguments
+
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float")  # vLLM's names (any case)
+_TORCH_DTYPES = ("torch.float32", "torch.float16", "torch.bfloat16")
+
+
+def dtype(value: Any, name: str = "dtype") -> Any:
+    """vLLM's ``dtype=``: one of :data:`DTYPES` (any case) or ``torch.float32/float16/bfloat16``."""
+    expected = (f"expected one of {list(DTYPES)} or a torch dtype ({', '.join(_TORCH_DTYPES)}); "
+                "e.g. dtype='float32' for numbers comparable with transformers")
+    if isinstance(value, str):
+        if value.lower() not in DTYPES:
+            raise ValueError(f"{name}={value!r}: {expected}")
+        return value
+    # A torch dtype, recognised without importing torch (this module stays free of it).
+    if type(value).__module__ == "torch" and type(value).__name__ == "dtype":
+        if str(value) not in _TORCH_DTYPES:
+            raise ValueError(f"{name}={value}: {expected}")
+        return value
+    raise TypeError(f"{name}={_show(value)}: {expected}")
+
+
+def engine_args(args: dict) -> dict:
+    """Check the engine arguments :func:`nnvllm.load` knows the rules of; return them normalised.
+
+    Only ``dtype``, ``max_model_len`` and ``tensor_parallel_size`` are checked here (a bad one failed
+    deep inside vLLM's start, or not at all); every other argument goes to vLLM as given.
+    """
+    out = dict(args)
+    if "dtype" in out:
+        out["dtype"] = dtype(out["dtype"])
+    if out.get("max_model_len") is not None:
+        v = out["max_model_len"]
+        expected = ("expected a positive int (the context length in tokens, prompt included), -1 to fit "
+                    "what memory allows, or None for the model's own length")
+        v = integer("max_model_len", v, expected=expected)
+        if v < 1 and v != -1:
+            raise ValueError(f"max_model_len={v}: {expected}")
+        out["max_model_len"] = v
+    if "tensor_parallel_size" in out:
+        out["tensor_parallel_size"] = integer(
+            "tensor_parallel_size", out["tensor_parallel_size"], lo=1,
+            why=" (the number of devices the model is split over; 1 for one device)")
+    return out
+
+
+def token_id(name: str, value: Any, vocab_size: int | None) -> int | None:
+    """An int token id in ``0..vocab_size-1`` (``vocab_size`` None: only ``>= 0`` is checked)."""
+    hi = None if vocab_size is None else vocab_size - 1
+    rng = f"0..{hi}" if hi is not None else ">= 0"
+    expected = (f"expected a token id in {rng} (the model's vocabulary has {vocab_size} tokens)"
+                if hi is not None else f"expected a token id {rng}")
+    return integer(name, value, lo=0, hi=hi, expected=expected)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import _compat
+from . import _compat, _validate
 from .arch import Arch, arch_for, untie_shared_modules
 
 __all__ = ["load", "engines", "EngineInfo", "cpu_defaults", "has_cuda"]
@@ -85,8 +85,63 @@ def _cpu_environment(tp: int) -> None:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-def _resolve(model: str | os.PathLike | None) -> tuple[str, dict]:
-    """Return (path or hub id, config dict), or raise an error that says what was expected."""
+# What a local checkpoint's weights look like to vLLM's default loader (safetensors, then .bin, then .pt).
+_WEIGHT_GLOBS = ("*.safetensors", "*.bin", "*.pt", "*.index.json")
+# load_format values that read those files from the model folder; others (dummy, tensorizer, gguf,
+# runai_streamer, ...) bring or make their weights elsewhere, so the folder is not checked for them.
+_FOLDER_FORMATS = (None, "auto", "safetensors", "fastsafetensors", "pt", "npcache")
+
+
+def _needs_weight_files(engine_args: dict) -> bool:
+    """Whether the engine will read weight files from a local model folder (not with ``load_format="dummy"``)."""
+    fmt = engine_args.get("load_format")
+    return (fmt.lower() if isinstance(fmt, str) else fmt) in _FOLDER_FORMATS
+
+
+def _read_config(cfg: Path) -> dict:
+    """The JSON object in a checkpoint's config.json, or an error naming the file and the fix."""
+    try:
+        data = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" (line {e.lineno}, column {e.colno}: {e.msg})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ValueError(
+            f"{str(cfg)!r} is not valid JSON{where}. A checkpoint's config.json must be complete JSON: "
+            "copy it again from the original checkpoint (a download or copy may have been cut short)."
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"{str(cfg)!r} holds a JSON {type(data).__name__} ({_short_json(data)}); config.json must hold a "
+            "JSON object (the model's configuration, {\"architectures\": [...], ...}). Copy the checkpoint's "
+            "own config.json into the folder."
+        ) from None
+    return data
+
+
+def _short_json(data: Any, limit: int = 40) -> str:
+    text = json.dumps(data)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_weight_files(folder: Path) -> None:
+    if not any(next(folder.glob(g), None) for g in _WEIGHT_GLOBS):
+        raise FileNotFoundError(
+            f"{str(folder)!r} has a config.json but no weights: expected *.safetensors, *.bin or *.pt files "
+            "(or an index such as model.safetensors.index.json) next to it. Put the checkpoint's weight "
+            "files in this folder, or pass load_format='dummy' for random weights."
+        ) from None
+
+
+def _is_hub_id(model: Any) -> bool:
+    """Whether ``model`` names a hub repository rather than something on this machine."""
+    return (isinstance(model, str) and bool(_HUB_ID.match(model)) and not model.startswith((".", "/", "~"))
+            and not Path(model).expanduser().exists())
+
+
+def _resolve(model: str | os.PathLike | None, *, weights: bool = False) -> tuple[str, dict]:
+    """Return (path or hub id, config dict), or raise an error that says what was expected.
+
+    ``weights``: also require weight files in a local folder (a hub id is not checked).
+    """
     if model is None:
         from . import toy
 
@@ -103,7 +158,10 @@ def _resolve(model: str | os.PathLike | None) -> tuple[str, dict]:
                 f"{str(p)!r} is a directory but not a Hugging Face model: it has no config.json. "
                 "Pass the folder that holds config.json and the weights."
             ) from None
-        return str(p.resolve()), json.loads(cfg.read_text())
+        config = _read_config(cfg)
+        if weights:
+            _check_weight_files(p)
+        return str(p.resolve()), config
     if p.exists():
         raise ValueError(f"{str(p)!r} is a file; pass the model's directory (the one holding config.json)")
     if not _HUB_ID.match(str(model)) or str(model).startswith((".", "/", "~")):
@@ -466,13 +524,18 @@ def load(
         isolate = default_isolate()
     if not isinstance(isolate, bool):
         raise TypeError(f"isolate={isolate!r}; expected True, False or None (the platform default)")
+    # Every check that needs no engine runs here, before one starts (seconds to minutes of work).
+    engine_args = _validate.engine_args(engine_args)
+    weights = _needs_weight_files(engine_args)
     if not isolate:
+        if not _is_hub_id(model):  # a local folder: its config and weights (_build_engine reads it again)
+            _resolve(model, weights=weights)
         m = _build_engine(model, **engine_args)
         _track(m)
         return m
     from . import isolated
 
-    path, cfg = _resolve(model)
+    path, cfg = _resolve(model, weights=weights)
     arch = arch_for(cfg.get("architectures"), where=repr(path))
     if not has_cuda():
         engine_args = {**cpu_defaults(int(engine_args.get("tensor_parallel_size", 1))), **engine_args}
