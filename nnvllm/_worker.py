@@ -438,6 +438,42 @@ def _gather(x: torch.Tensor, site: str, family: str) -> torch.Tensor:
     return tensor_model_parallel_all_gather(x.contiguous(), -1)
 
 
+def watch_server() -> None:
+    """In an isolated engine's processes: end the process group when its server is gone.
+
+    The server (``nnvllm.server``) is the parent of vLLM's EngineCore; killed with SIGKILL it cannot
+    stop them, and they kept their memory (GPU memory on a GPU) until the client's next call. This
+    thread, started where the model loads (EngineCore, or each worker under TP), checks every half
+    second and ends the group (the server's session, which holds nothing else).
+    """
+    import threading
+    import time
+
+    pid = int(os.environ.get("NNVLLM_SERVER_PID") or 0)
+    if not pid or pid == os.getpid() or os.getpgrp() != pid:
+        return  # not inside an isolated engine's own process group
+
+    def alive() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:  # a killed server stays a zombie until the client reaps it
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    def loop() -> None:
+        while alive():
+            time.sleep(0.5)
+        os.killpg(os.getpgrp(), 9)
+
+    threading.Thread(target=loop, name="nnvllm-watch-server", daemon=True).start()
+
+
 def sweep_stale() -> list[str]:
     """Remove hand-off files whose engine process is gone (a client killed before it mapped them)."""
     d, gone = shm_dir(), []
@@ -644,6 +680,7 @@ class RecordingRunner:
         super().load_model(*args, **kwargs)
         self.nnvllm_install()  # before vLLM records its CUDA graphs (capture_model comes later)
         sweep_stale()
+        watch_server()
 
     def nnvllm_install(self) -> None:
         if getattr(self, "_nnvllm_taps", None) is not None:

@@ -386,6 +386,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"nnvllm.server: token (header {TOKEN_HEADER}): {token}", flush=True)
     if args.watch_pid:
         _watch_parent(args.watch_pid)
+    # vLLM's EngineCore and workers inherit this and end their process group once this server is
+    # gone (killed with SIGKILL, e.g. by the OOM killer): see nnvllm._worker.watch_server.
+    os.environ["NNVLLM_SERVER_PID"] = str(os.getpid())
 
     from .engine import _build_engine
 
