@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from . import _validate
 from .capture import generate
 from .lens import Lens, Norm, Unembed
 from .patching import PatchResult, logit_diff, normalized_effect, plan
@@ -63,15 +64,38 @@ def logit_lens(model, prompt: str, max_tokens: int = 10, layers="all", top_k: in
         >>> lens = nv.logit_lens(model, "The capital of France is", max_tokens=3)   # doctest: +SKIP
         >>> lens.prob_of(" Paris")[:, 4]                                           # doctest: +SKIP
     """
+    _check_model(model)
     if not isinstance(prompt, str):
-        raise TypeError(f"logit_lens takes one prompt (str), got {type(prompt).__name__}; loop for several")
+        raise TypeError(f"prompt={_validate._show(prompt)}: logit_lens takes one prompt (a non-empty str), got "
+                        f"{type(prompt).__name__}; loop for several")
+    if not prompt:
+        raise ValueError("prompt='': logit_lens needs a non-empty prompt (an empty one has no token to start "
+                         "from); pass text such as 'The capital of France is'")
     run = generate(model, prompt, max_tokens=max_tokens, layers=layers, logits=False, top_k=top_k, **sampling)
     return Lens.from_run(run, 0, unembedding(model), k=top_k, tokenizer=model.tokenizer)
 
 
-def _single_token(tok, text: str | int, name: str) -> int:
-    if isinstance(text, int):
-        return text
+def _check_model(model) -> None:
+    if getattr(model, "arch", None) is None or not hasattr(model, "n_layers"):
+        raise TypeError(f"model={_validate._show(model)}: expected a model from nv.load(...)")
+
+
+def _one_prompt(name: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name}={_validate._show(value)}: expected one prompt (a non-empty str)")
+    if not value:
+        raise ValueError(f"{name}='': expected a non-empty prompt (an empty one has no token to patch)")
+    return value
+
+
+def _single_token(tok, text: str | int, name: str, vocab_size: int | None = None) -> int:
+    """One token id from text (exactly one token) or an id in ``0..vocab_size-1``."""
+    if _validate._is_int(text):
+        return _validate.token_id(name, text, vocab_size)
+    if not isinstance(text, str):
+        rng = "" if vocab_size is None else f" in 0..{vocab_size - 1}"
+        raise TypeError(f"{name}={_validate._show(text)}: expected one token, as text (e.g. ' Paris') or an "
+                        f"int token id{rng}")
     ids = tok.encode(text, add_special_tokens=False)
     if len(ids) != 1:
         pieces = [tok.decode([i]) for i in ids]
@@ -135,8 +159,12 @@ def patch(
         >>> res = nv.patch(model, clean="The capital of France is", corrupt="The capital of Italy is",
         ...                answer=" Paris", wrong=" Rome")                          # doctest: +SKIP
     """
+    from .capture import _context_len, engine_of
     from .engine import uses_cuda_graphs
 
+    # Every argument is checked before the engine does any work (a bad step or token id used to
+    # fail only after the clean and corrupt generations, or after every patched pass).
+    _check_model(model)
     if uses_cuda_graphs(model):
         # Seen on an H200 (vLLM 0.26): nv.patch on an engine loaded with cuda_graphs=True ended
         # the engine core with a CUDA error; until that is understood it is refused here.
@@ -145,16 +173,35 @@ def patch(
             "Load one with nv.load(..., cuda_graphs=False) (the default) for patching.")
     if site not in ("resid", "attn", "mlp"):
         raise ValueError(f"site={site!r}; patch() writes 'resid', 'attn' or 'mlp' (same width as the stream)")
+    clean, corrupt = _one_prompt("clean", clean), _one_prompt("corrupt", corrupt)
+    step = _validate.integer("step", step, lo=0, expected="expected an int >= 0 (0 = the prompt, s = generated step s)")
+    progress = _validate.boolean("progress", progress)
+    engine = engine_of(model)  # a closed (or dead) engine says so here
     tok = model.tokenizer
-    a_id, w_id = _single_token(tok, answer, "answer"), _single_token(tok, wrong, "wrong")
+    vocab = engine.info().get("vocab_size")
+    a_id, w_id = _single_token(tok, answer, "answer", vocab), _single_token(tok, wrong, "wrong", vocab)
+    if a_id == w_id:
+        raise ValueError(
+            f"answer={answer!r} and wrong={wrong!r} are the same token (id {a_id}); patching measures "
+            "logit[answer] - logit[wrong], which would be 0 everywhere. Pass the clean prompt's answer and a "
+            "competing token (typically the corrupt prompt's answer)."
+        ) from None
     c_ids, x_ids = tok.encode(clean), tok.encode(corrupt)
     if len(c_ids) != len(x_ids):
         raise ValueError(
             f"clean has {len(c_ids)} tokens and corrupt {len(x_ids)}; patching position by position "
             "needs prompts of the same length. Change a word of the same token length."
         ) from None
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"step={step!r}; expected an int >= 0 (0 = the prompt, s = generated step s)")
+    context = _context_len(model, engine)
+    if context is not None and len(c_ids) + step + 1 > context:
+        # step s is measured after s + 1 generated tokens: prompt + s + 1 must fit the context.
+        top = context - len(c_ids) - 1
+        fix = (f"expected step <= {top}" if top >= 0 else
+               "no step fits: shorten the prompts (they alone fill the context)")
+        raise ValueError(
+            f"step={step}: the prompts are {len(c_ids)} tokens and the model's context is {context}, so "
+            f"generated step s needs {len(c_ids)} + s + 1 <= {context} tokens; {fix}"
+        ) from None
     if step and positions != "all":
         raise ValueError(
             f"positions={positions!r} with step={step}: a generated step has one position (the token fed "

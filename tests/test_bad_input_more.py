@@ -1,0 +1,226 @@
+"""Bad input to ``nv.load``, ``nv.patch`` and ``nv.logit_lens`` is refused before any engine work (issue 15).
+
+``nv.load`` rows build broken checkpoint folders from the toy model's files and must fail before an
+engine starts (``_build_engine`` and ``isolated.start`` are replaced by tripwires). ``nv.patch`` and
+``nv.logit_lens`` rows run against one in-process toy engine; after each refusal it still answers
+a clean prompt exactly as before.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import nnvllm as nv
+import nnvllm.engine as engine_mod
+from conftest import engine_kwargs
+
+CLEAN = "The capital of France is"
+CORRUPT = "The capital of Italy is"
+TOY_VOCAB = 622  # the toy model's vocab_size (config.json)
+TOY_CONTEXT = 64  # n_positions
+
+
+class EngineStarted(AssertionError):
+    """Raised by the tripwires: a bad load() got as far as starting an engine."""
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Replace both ways load() starts an engine by tripwires that record the arguments they got."""
+    calls: list = []
+
+    def build(model, **engine_args):
+        calls.append((model, engine_args))
+        raise EngineStarted(f"an in-process engine was started for {model!r}")
+
+    def start(cls, path, arch, engine_args, timeout):
+        calls.append((path, engine_args))
+        raise EngineStarted(f"an isolated engine was started for {path!r}")
+
+    import nnvllm.isolated as isolated
+
+    monkeypatch.setattr(engine_mod, "_build_engine", build)
+    monkeypatch.setattr(isolated, "start", start)
+    return calls
+
+
+def _checkpoint(root: Path, config: str | None = None, weights: bool = True) -> str:
+    """A copy of the toy checkpoint in ``root`` with config.json replaced by ``config`` (text) if given."""
+    toy = Path(nv.toy.check())
+    root.mkdir(parents=True, exist_ok=True)
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(toy / f, root / f)
+    if weights:
+        shutil.copy(toy / "model.safetensors", root / "model.safetensors")
+    if config is not None:
+        (root / "config.json").write_text(config)
+    return str(root)
+
+
+def _truncated_config() -> str:
+    text = (Path(nv.toy.check()) / "config.json").read_text()
+    return text[: len(text) // 2]
+
+
+# (how to build the model argument from tmp_path or None, load kwargs, exception, substrings of its message)
+LOAD_ROWS = [
+    ("truncated config.json", lambda d: _checkpoint(d, _truncated_config()), {}, ValueError,
+     ["config.json", "not valid JSON"]),
+    ("config.json holds a list", lambda d: _checkpoint(d, "[1, 2]"), {}, ValueError,
+     ["config.json", "config.json must hold a JSON object"]),
+    ("config.json holds a string", lambda d: _checkpoint(d, '"gpt2"'), {}, ValueError,
+     ["config.json must hold a JSON object"]),
+    ("no weights", lambda d: _checkpoint(d, weights=False), {}, FileNotFoundError,
+     ["has a config.json but no weights", "*.safetensors", "*.bin", "*.pt", "load_format='dummy'"]),
+    ("no weights, isolated", lambda d: _checkpoint(d, weights=False), {"isolate": True}, FileNotFoundError,
+     ["has a config.json but no weights"]),
+    ("no weights, load_format=auto", lambda d: _checkpoint(d, weights=False), {"load_format": "auto"},
+     FileNotFoundError, ["no weights"]),
+    ("dtype=float33", None, {"dtype": "float33"}, ValueError,
+     ["dtype='float33'", "'auto', 'float32', 'float16', 'bfloat16', 'half', 'float'", "torch.float32"]),
+    ("dtype=float33, isolated", None, {"dtype": "float33", "isolate": True}, ValueError, ["dtype='float33'"]),
+    ("dtype=32", None, {"dtype": 32}, TypeError, ["dtype=32", "'float32'"]),
+    ("max_model_len=-5", None, {"max_model_len": -5}, ValueError, ["max_model_len=-5", "positive int"]),
+    ("max_model_len=0", None, {"max_model_len": 0}, ValueError, ["max_model_len=0", "positive int"]),
+    ("max_model_len='x'", None, {"max_model_len": "x"}, TypeError, ["max_model_len='x'", "positive int"]),
+    ("max_model_len=1.5", None, {"max_model_len": 1.5}, TypeError, ["max_model_len=1.5"]),
+    ("tensor_parallel_size=0", None, {"tensor_parallel_size": 0}, ValueError,
+     ["tensor_parallel_size=0", "expected an int >= 1"]),
+    ("tensor_parallel_size='2'", None, {"tensor_parallel_size": "2"}, TypeError,
+     ["tensor_parallel_size='2'", "expected an int >= 1"]),
+    ("tensor_parallel_size=True", None, {"tensor_parallel_size": True}, TypeError, ["tensor_parallel_size=True"]),
+    ("tensor_parallel_size=0, isolated", None, {"tensor_parallel_size": 0, "isolate": True}, ValueError,
+     ["tensor_parallel_size=0"]),
+]
+
+
+@pytest.mark.parametrize("row", LOAD_ROWS, ids=[r[0] for r in LOAD_ROWS])
+def test_bad_load_is_refused_before_an_engine_starts(no_engine, tmp_path, row):
+    _, make, kwargs, exc, needles = row
+    model = None if make is None else make(tmp_path / "ckpt")
+    kwargs = {"isolate": False, **kwargs}
+    with pytest.raises(exc) as info:
+        nv.load(model, **kwargs)
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+    if model is not None and exc is FileNotFoundError:
+        assert model in str(info.value)  # names the folder
+    assert no_engine == []
+
+
+# What the checks must let through: each reaches the engine start with these arguments.
+VALID_LOADS = [
+    ("load_format=dummy, no weights", lambda d: _checkpoint(d, weights=False), {"load_format": "dummy"}),
+    ("load_format=dummy, no weights, isolated", lambda d: _checkpoint(d, weights=False),
+     {"load_format": "dummy", "isolate": True}),
+    ("weights as pytorch_model.bin", lambda d: _bin_checkpoint(d), {}),
+    ("a hub id (not fetched in-process)", lambda d: "openai-community/gpt2", {}),
+    ("dtype=BFloat16, max_model_len=-1", None, {"dtype": "BFloat16", "max_model_len": -1}),
+    ("dtype=torch.float16, max_model_len=None", None, {"dtype": torch.float16, "max_model_len": None}),
+    ("tensor_parallel_size=np.int64(1)", None, {"tensor_parallel_size": np.int64(1)}),
+]
+
+
+def _bin_checkpoint(d: Path) -> str:
+    path = _checkpoint(d, weights=False)
+    (d / "pytorch_model.bin").write_bytes(b"")  # only its name is looked at before the engine starts
+    return path
+
+
+@pytest.mark.parametrize("row", VALID_LOADS, ids=[r[0] for r in VALID_LOADS])
+def test_valid_load_passes_the_checks(no_engine, tmp_path, row):
+    _, make, kwargs = row
+    model = None if make is None else make(tmp_path / "ckpt")
+    kwargs = {"isolate": False, **kwargs}
+    with pytest.raises(EngineStarted):
+        nv.load(model, **kwargs)
+    (_, args), = no_engine
+    for k, v in kwargs.items():
+        if k != "isolate":
+            assert args[k] == v and type(args[k]) is (int if k == "tensor_parallel_size" else type(v))  # normalised
+
+
+# ---------------------------------------------------------------- patch and logit_lens on a live engine
+
+
+@pytest.fixture(scope="module")
+def toy_engine(toy_path):
+    model = nv.load(toy_path, isolate=False, **engine_kwargs(1))
+    before = nv.generate(model, CLEAN, max_tokens=2).text[0]
+    assert before.startswith(" Paris")
+    yield model, before
+    model.close()
+
+
+def _patch(**kw):
+    args = {"clean": CLEAN, "corrupt": CORRUPT, "answer": " Paris", "wrong": " Rome", "progress": False, **kw}
+    return lambda model: nv.patch(model, **args)
+
+
+def _lens(prompt, **kw):
+    return lambda model: nv.logit_lens(model, prompt, max_tokens=1, **kw)
+
+
+N_PROMPT = 5  # tokens in CLEAN / CORRUPT for the toy tokenizer (checked below)
+MAX_STEP = TOY_CONTEXT - N_PROMPT - 1
+
+# (id, the call, the exception, substrings of its message)
+ENGINE_ROWS = [
+    ("patch answer=-1", _patch(answer=-1), ValueError, ["answer=-1", f"0..{TOY_VOCAB - 1}"]),
+    ("patch wrong=-1", _patch(wrong=-1), ValueError, ["wrong=-1", f"0..{TOY_VOCAB - 1}"]),
+    ("patch answer=vocab", _patch(answer=TOY_VOCAB), ValueError, [f"answer={TOY_VOCAB}", f"0..{TOY_VOCAB - 1}"]),
+    ("patch wrong=10**9", _patch(wrong=10**9), ValueError, ["wrong=1000000000", f"0..{TOY_VOCAB - 1}"]),
+    ("patch answer=True", _patch(answer=True), TypeError, ["answer=True", "token"]),
+    ("patch answer=None", _patch(answer=None), TypeError, ["answer=None", "token"]),
+    ("patch answer=1.0", _patch(answer=1.0), TypeError, ["answer=1.0"]),
+    ("patch answer==wrong", _patch(wrong=" Paris"), ValueError, ["same token"]),
+    ("patch step=100", _patch(step=100), ValueError, ["step=100", f"expected step <= {MAX_STEP}"]),
+    ("patch step=max+1", _patch(step=MAX_STEP + 1), ValueError, [f"step={MAX_STEP + 1}", f"step <= {MAX_STEP}"]),
+    ("patch step=-1", _patch(step=-1), ValueError, ["step=-1", "int >= 0"]),
+    ("patch step=1.5", _patch(step=1.5), TypeError, ["step=1.5", "int >= 0"]),
+    ("patch step=True", _patch(step=True), TypeError, ["step=True"]),
+    ("patch clean=''", _patch(clean=""), ValueError, ["clean=''"]),
+    ("patch corrupt=None", _patch(corrupt=None), TypeError, ["corrupt=None"]),
+    ("patch progress='no'", _patch(progress="no"), TypeError, ["progress='no'"]),
+    ("lens prompt=''", _lens(""), ValueError, ["prompt=''", "non-empty"]),
+    ("lens prompt=42", _lens(42), TypeError, ["prompt=42", "one prompt"]),
+    ("lens prompt=None", _lens(None), TypeError, ["prompt=None"]),
+    ("lens a list", _lens([CLEAN, CORRUPT]), TypeError, ["one prompt"]),
+]
+
+
+def test_the_toy_prompts_have_the_length_the_table_assumes(toy_engine):
+    model, _ = toy_engine
+    assert len(model.tokenizer.encode(CLEAN)) == len(model.tokenizer.encode(CORRUPT)) == N_PROMPT
+    assert model.llm.llm_engine.model_config.max_model_len == TOY_CONTEXT
+    assert model.llm.llm_engine.model_config.get_vocab_size() == TOY_VOCAB
+
+
+@pytest.mark.parametrize("row", ENGINE_ROWS, ids=[r[0] for r in ENGINE_ROWS])
+def test_bad_analysis_argument_is_refused_and_the_engine_lives_on(toy_engine, row):
+    model, before = toy_engine
+    _, call, exc, needles = row
+    with pytest.raises(exc) as info:
+        call(model)
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+    assert nv.generate(model, CLEAN, max_tokens=2).text[0] == before
+
+
+def test_the_largest_step_and_edge_token_ids_still_run(toy_engine):
+    """The checks let through what is valid: the last step that fits, ids 0 and vocab-1."""
+    model, before = toy_engine
+    res = nv.patch(model, CLEAN, CORRUPT, 0, TOY_VOCAB - 1, layers=[5], step=MAX_STEP, progress=False)
+    assert res.positions == [N_PROMPT - 1 + MAX_STEP] and res.step == MAX_STEP
+    assert nv.generate(model, CLEAN, max_tokens=2).text[0] == before
+
+
+def test_the_toy_config_is_what_the_rows_copy():
+    cfg = json.loads((Path(nv.toy.check()) / "config.json").read_text())
+    assert cfg["vocab_size"] == TOY_VOCAB and cfg["n_positions"] == TOY_CONTEXT
