@@ -109,7 +109,7 @@ def _read_config(cfg: Path) -> dict:
             "copy it again from the original checkpoint (a download or copy may have been cut short)."
         ) from None
     if not isinstance(data, dict):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004  a broken file, not an argument of the wrong type
             f"{str(cfg)!r} holds a JSON {type(data).__name__} ({_short_json(data)}); config.json must hold a "
             "JSON object (the model's configuration, {\"architectures\": [...], ...}). Copy the checkpoint's "
             "own config.json into the folder."

@@ -15,10 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import engine_kwargs
 
 import nnvllm as nv
 import nnvllm.engine as engine_mod
-from conftest import engine_kwargs
 
 CLEAN = "The capital of France is"
 CORRUPT = "The capital of Italy is"
@@ -43,7 +43,7 @@ def no_engine(monkeypatch):
         calls.append((path, engine_args))
         raise EngineStarted(f"an isolated engine was started for {path!r}")
 
-    import nnvllm.isolated as isolated
+    from nnvllm import isolated
 
     monkeypatch.setattr(engine_mod, "_build_engine", build)
     monkeypatch.setattr(isolated, "start", start)
