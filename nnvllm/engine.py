@@ -131,17 +131,23 @@ def _check_weight_files(folder: Path) -> None:
         ) from None
 
 
+def _preflight(model: str | os.PathLike | None, weights: bool) -> tuple[str, Arch]:
+    """What load() checks before an engine starts: the config, a known layout, then (local) weight files."""
+    path, cfg = _resolve(model)
+    arch = arch_for(cfg.get("architectures"), where=repr(path))
+    if weights and Path(path).is_dir():
+        _check_weight_files(Path(path))
+    return path, arch
+
+
 def _is_hub_id(model: Any) -> bool:
     """Whether ``model`` names a hub repository rather than something on this machine."""
     return (isinstance(model, str) and bool(_HUB_ID.match(model)) and not model.startswith((".", "/", "~"))
             and not Path(model).expanduser().exists())
 
 
-def _resolve(model: str | os.PathLike | None, *, weights: bool = False) -> tuple[str, dict]:
-    """Return (path or hub id, config dict), or raise an error that says what was expected.
-
-    ``weights``: also require weight files in a local folder (a hub id is not checked).
-    """
+def _resolve(model: str | os.PathLike | None) -> tuple[str, dict]:
+    """Return (path or hub id, config dict), or raise an error that says what was expected."""
     if model is None:
         from . import toy
 
@@ -158,10 +164,7 @@ def _resolve(model: str | os.PathLike | None, *, weights: bool = False) -> tuple
                 f"{str(p)!r} is a directory but not a Hugging Face model: it has no config.json. "
                 "Pass the folder that holds config.json and the weights."
             ) from None
-        config = _read_config(cfg)
-        if weights:
-            _check_weight_files(p)
-        return str(p.resolve()), config
+        return str(p.resolve()), _read_config(cfg)
     if p.exists():
         raise ValueError(f"{str(p)!r} is a file; pass the model's directory (the one holding config.json)")
     if not _HUB_ID.match(str(model)) or str(model).startswith((".", "/", "~")):
@@ -529,14 +532,13 @@ def load(
     weights = _needs_weight_files(engine_args)
     if not isolate:
         if not _is_hub_id(model):  # a local folder: its config and weights (_build_engine reads it again)
-            _resolve(model, weights=weights)
+            _preflight(model, weights)
         m = _build_engine(model, **engine_args)
         _track(m)
         return m
     from . import isolated
 
-    path, cfg = _resolve(model, weights=weights)
-    arch = arch_for(cfg.get("architectures"), where=repr(path))
+    path, arch = _preflight(model, weights)
     if not has_cuda():
         engine_args = {**cpu_defaults(int(engine_args.get("tensor_parallel_size", 1))), **engine_args}
     _compat.check_versions()
