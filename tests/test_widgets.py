@@ -203,7 +203,7 @@ def test_lens_explorer(toy):
 
     ex.prompt.value = ""  # a bad prompt: the error shows in the widget, the old lens stays
     ex.run_button.click()
-    assert "prompt cannot be empty" in ex.error.value and ex.last_error is not None
+    assert "empty" in ex.error.value and ex.last_error is not None
     assert ex.lens.labels[3] == " France" and not ex.run_button.disabled
 
     ex.prompt.value = CORRUPT  # and the widget still works
