@@ -245,7 +245,17 @@ class _Connection:
         if model is None:
             raise RuntimeError("this engine's model object is gone")
         try:
-            r = self.client.request(method, path, **kw)
+            try:
+                r = self.client.request(method, path, **kw)
+            except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError):
+                # A kept-alive connection the server closed (it does after an error reply) reads as
+                # "Server disconnected" on the next call: that is not a death while the server is
+                # up. One fresh connection, one retry; a second failure is judged below.
+                if not model._engine_alive():
+                    raise
+                self.client.close()
+                self.client = self._client()
+                r = self.client.request(method, path, **kw)
         except httpx.TimeoutException:
             if model is not None and model._engine_alive():
                 raise TimeoutError(
@@ -264,6 +274,9 @@ class _Connection:
             raise
         if r.status_code == 200:
             return r
+        # After an error reply the server may close this connection: never reuse it.
+        self.client.close()
+        self.client = self._client()
         try:
             detail = r.json().get("detail", r.reason_phrase)
         except Exception:  # noqa: BLE001  a non-JSON error body
@@ -322,7 +335,8 @@ class RemoteEngine:
 
         body = {"final_norm": final_norm, "unembed": unembed}
         r = self.conn.request("POST", "/v1/nnvllm/unembed", json=body)
-        return torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=False)["parts"]
+        # Tensors, floats and strings only: loaded without unpickling code.
+        return torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=True)["parts"]
 
     def info(self) -> dict:
         return self.model._info

@@ -380,3 +380,13 @@ def test_tensor_parallel_isolated_engine_matches_transformers(toy_path):
         for s in ("mlp_in", "mlp_act"):
             assert (run.sites[s][i] - ref.sites[s][i]).abs().max() < 1e-3
     assert lens.top_ids[-1, len(run.prompt_ids[0]) - 1, 0] == run.tokens[0][0]
+
+
+def test_an_error_reply_then_a_call_at_once_finds_the_engine_alive(iso):
+    # A request the server cannot handle (here a malformed body) gets a 500 and the server may close
+    # the kept-alive connection; the next call must not read that as the engine dying (issue 15, 2).
+    with pytest.raises(ConnectionError, match="500"):
+        iso._connection().request("POST", "/v1/nnvllm/unembed", json={})
+    for _ in range(3):
+        assert nv.generate(iso, CLEAN, max_tokens=1, layers=None).text == [" Paris"]
+    assert iso._dead is None
