@@ -78,6 +78,21 @@ class Run:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def __repr__(self) -> str:
+        # The dataclass repr printed every tensor: megabytes in a notebook cell for a large run.
+        n = len(self.prompts)
+        steps = sorted({len(t) for t in self.tokens})
+        parts = [f"{n} request{'s' if n != 1 else ''}",
+                 f"steps {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]}" if steps else "no steps"]
+        if self.resid is not None and self.layers:
+            parts.append(f"layers {self.layers[0]}..{self.layers[-1]} ({len(self.layers)})")
+        if self.sites:
+            parts.append("sites " + ", ".join(self.sites))
+        parts.append("logits" if self.logits is not None else "no logits")
+        src = ", ".join(str(self.meta[k]) for k in ("engine", "dtype") if self.meta.get(k))
+        text = repr(self.text[0][:30]) + (" ..." if n > 1 else "") if n else ""
+        return f"<Run: {'; '.join(parts)}{'; ' + src if src else ''}; text {text}>"
+
     def positions(self, i: int) -> int:
         """Number of positions captured for request i: ``prompt_len + steps - 1``."""
         return len(self.prompt_ids[i]) + len(self.tokens[i]) - 1

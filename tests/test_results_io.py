@@ -188,3 +188,15 @@ def test_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == ["run.safetensors"]  # the temporary file is gone
     monkeypatch.undo()
     assert_same(old, Run.load(path))
+
+
+def test_run_repr_is_short_whatever_its_size():
+    import torch
+
+    from nnvllm.results import Run
+
+    big = torch.zeros(12, 4000, 768)
+    run = Run(prompts=["a"] * 3, prompt_ids=[[1]] * 3, tokens=[[2, 3]] * 3, text=[" Paris."] * 3, logits=None,
+              samples=[], resid=[big] * 3, layers=list(range(12)), sites={}, meta={"engine": "vllm"})
+    text = repr(run)
+    assert len(text) < 200 and "3 requests" in text and "layers 0..11 (12)" in text
