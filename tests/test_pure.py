@@ -482,10 +482,21 @@ def test_pure_modules_import_no_engine():
     import ast
     import importlib
 
-    for name in ("lens", "compare", "patching", "plotting", "results", "store"):
+    for name in ("lens", "compare", "patching", "plotting", "results", "store", "_validate"):
         path = importlib.import_module(f"nnvllm.{name}").__file__
         tree = ast.parse(Path(path).read_text(encoding="utf-8"))
         mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
         bad = {m for m in mods if m.split(".")[0] in ("vllm", "nnsight", "transformers", "ipywidgets")}
         assert not bad, (name, bad)
+
+
+def test_import_nnvllm_loads_no_engine():
+    """`import nnvllm` imports neither vLLM, nnsight, transformers nor ipywidgets (issue 13, item 7)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, nnvllm; print(sorted({m.split('.')[0] for m in sys.modules "
+            "if m.split('.')[0] in ('vllm', 'nnsight', 'transformers', 'ipywidgets')}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
