@@ -6,6 +6,8 @@ The math lives in the pure modules (:mod:`nnvllm.lens`, :mod:`nnvllm.patching`,
 
 from __future__ import annotations
 
+import warnings
+
 from typing import Any
 
 import torch
@@ -215,6 +217,14 @@ def patch(
     clean_acts = (base.resid if site == "resid" else base.sites[site])[0]
     clean_diff = float(logit_diff(base.logits[0][step], a_id, w_id))
     corrupt_diff = float(logit_diff(base.logits[1][step], a_id, w_id))
+    if clean_diff <= 0 or clean_diff <= corrupt_diff:
+        # Normalized effects divide by (clean - corrupt): with the clean prompt not preferring the
+        # answer (or not more than the corrupt one), every effect below is meaningless (issue 14, 10).
+        warnings.warn(
+            f"the clean prompt does not prefer answer={answer!r} over wrong={wrong!r}, or not more than the "
+            f"corrupt prompt does (logit difference {clean_diff:.3f} clean, {corrupt_diff:.3f} corrupt), so the "
+            "normalized effects are not meaningful. Check the tokens (a leading space is usually part of "
+            "the token: ' Paris', not 'Paris').", UserWarning, stacklevel=2)
     seq = base.sequence(0)
 
     cells = [(j, layer, p) for j, layer in enumerate(L) for p in P]

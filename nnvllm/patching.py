@@ -158,11 +158,11 @@ class PatchResult:
             }
         )
 
-    def plot(self, ax=None):
+    def plot(self, ax=None, vmin: float | None = None, vmax: float | None = None):
         """Draw the effect as a layer × position heatmap; see :func:`nnvllm.plotting.plot_patch`."""
         from .plotting import plot_patch
 
-        return plot_patch(self, ax=ax)
+        return plot_patch(self, ax=ax, vmin=vmin, vmax=vmax)
 
     def best(self) -> tuple[int, int, float]:
         """Return ``(layer, pos, effect)`` of the patch with the largest effect (block index, position)."""

@@ -85,12 +85,17 @@ def plot_lens(lens, ax=None, *, annotate: bool = True, max_positions: int = 40):
     return ax
 
 
-def plot_patch(res, ax=None):
+def plot_patch(res, ax=None, vmin: float | None = None, vmax: float | None = None):
     """Draw a patching sweep: normalized effect per layer (y) × position (x), centred at 0.
+
+    The colour scale is fixed and symmetric, -1..1 (1 = the clean answer fully restored), widened
+    only when an effect goes past it, so that two plots read alike: an effect of 0.33 is a third as
+    dark as a full restoration, whatever else is in the plot.
 
     Args:
         res: a :class:`nnvllm.patching.PatchResult`.
         ax: Axes to draw on; a new figure when None.
+        vmin, vmax: the colour range, to override the fixed one.
 
     Returns:
         The Axes.
@@ -104,9 +109,11 @@ def plot_patch(res, ax=None):
     ax = _axes(ax, plt)
     effect = res.effect.detach().double().cpu().numpy()
     finite = np.abs(effect[np.isfinite(effect)])
-    lim = max(float(finite.max()) if finite.size else 1.0, 1e-9)
+    lim = max(float(finite.max()) if finite.size else 1.0, 1.0)
+    vmin = -lim if vmin is None else vmin
+    vmax = lim if vmax is None else vmax
     im = ax.imshow(
-        effect, aspect="auto", origin="lower", cmap="RdBu_r", vmin=-lim, vmax=lim, interpolation="nearest"
+        effect, aspect="auto", origin="lower", cmap="RdBu_r", vmin=vmin, vmax=vmax, interpolation="nearest"
     )
     ax.figure.colorbar(im, ax=ax, label="normalized effect (1 = clean restored)")
     ax.set_xticks(range(len(res.positions)))

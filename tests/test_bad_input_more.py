@@ -227,3 +227,11 @@ def test_the_largest_step_and_edge_token_ids_still_run(toy_engine):
 def test_the_toy_config_is_what_the_rows_copy():
     cfg = json.loads((Path(nv.toy.check()) / "config.json").read_text())
     assert cfg["vocab_size"] == TOY_VOCAB and cfg["n_positions"] == TOY_CONTEXT
+
+
+def test_patch_warns_when_the_clean_prompt_does_not_prefer_the_answer(toy_engine):
+    """No leading spaces: 'Paris'/'Rome' are other tokens, the clean prompt does not prefer 'Paris'
+    (issue 14, item 10): the normalized effects would be meaningless, so nv.patch says so."""
+    with pytest.warns(UserWarning, match="does not prefer"):
+        nv.patch(toy_engine[0], "The capital of France is", "The capital of Italy is", "Paris", "Rome",
+                 layers=[0], positions=[-1], progress=False)

@@ -436,6 +436,18 @@ def test_plot_patch():
     assert plot_patch(res).images
 
 
+def test_plot_patch_uses_one_fixed_scale():
+    """Two sweeps with different largest effects share the -1..1 scale (issue 14, item 4)."""
+    import dataclasses
+
+    res = make_patch()
+    small = dataclasses.replace(res, effect=res.effect.clamp(-1, 1) * 0.33 / max(float(res.effect.abs().max()), 1e-9))
+    big = dataclasses.replace(res, effect=torch.full_like(res.effect, 0.2).index_fill_(1, torch.tensor([0]), 1.5))
+    assert small.plot().images[0].get_clim() == (-1.0, 1.0)
+    assert big.plot().images[0].get_clim() == (-1.5, 1.5)  # widened only past a full restoration
+    assert small.plot(vmin=-0.5, vmax=0.5).images[0].get_clim() == (-0.5, 0.5)
+
+
 def test_plot_compare():
     a = make_run()
     b = copy.deepcopy(a)
