@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -428,6 +428,13 @@ class EngineInfo:
     pid: int | None  # the process holding the engine (this one for in-process; None when attached)
     rss_mib: float | None  # resident memory of that process and its children (RSS), MiB
     url: str | None
+    _model: Any = field(default=None, repr=False, compare=False)  # a weakref to the model
+
+    def close(self) -> None:
+        """Close this engine (as ``model.close()``): e.g. one left behind by re-running a load cell."""
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            model.close()
 
 
 def engines() -> list[EngineInfo]:
@@ -453,11 +460,12 @@ def engines() -> list[EngineInfo]:
     for m in isolated:
         rss = tree_rss(m.pid) if m.pid is not None else None
         out.append(EngineInfo(m.checkpoint, "isolated" if m.pid is not None else "attached", m.pid,
-                              None if rss is None else round(rss / 2**20, 1), m.url))
+                              None if rss is None else round(rss / 2**20, 1), m.url, weakref.ref(m)))
     if in_process:
         own = tree_rss(os.getpid()) - sum(tree_rss(m.pid) or 0 for m in isolated if m.pid is not None)
         for m in in_process:
-            out.append(EngineInfo(m.checkpoint, "in-process", os.getpid(), round(own / 2**20, 1), None))
+            out.append(EngineInfo(m.checkpoint, "in-process", os.getpid(), round(own / 2**20, 1), None,
+                                  weakref.ref(m)))
     return out
 
 
