@@ -14,15 +14,27 @@ import nnvllm as nv
 PROMPTS = [f"The capital of {c} is" for c in list(nv.toy.CAPITALS)[:16]]
 
 
-def _interrupt_then_check(model):
+def _sigint_when(busy, delay: float = 0.0) -> threading.Thread:
+    """SIGINT this process once ``busy()`` says requests are in flight (then ``delay`` later)."""
+    def run():
+        deadline = time.time() + 60
+        while not busy() and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(delay)
+        signal.raise_signal(signal.SIGINT)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _interrupt_then_check(model, busy, delay=0.0):
     expected = nv.generate(model, "The capital of France is", max_tokens=3).text
     faulthandler.dump_traceback_later(120, exit=True)  # a wedged engine fails the run instead of hanging it
     try:
-        timer = threading.Timer(0.3, lambda: signal.raise_signal(signal.SIGINT))
-        timer.start()
         t = time.perf_counter()
         with pytest.raises(KeyboardInterrupt):
-            nv.generate(model, PROMPTS * 8, max_tokens=58, ignore_eos=True)
+            _sigint_when(busy, delay)
+            nv.generate(model, PROMPTS * 16, max_tokens=58, ignore_eos=True)
         assert time.perf_counter() - t < 60
         again = nv.generate(model, "The capital of France is", max_tokens=3)
         assert again.text == expected
@@ -32,7 +44,8 @@ def _interrupt_then_check(model):
 
 
 def test_interrupt_in_process(toy):
-    _interrupt_then_check(toy)
+    # In-process, the engine is in this process: interrupt once it holds the batch's requests.
+    _interrupt_then_check(toy, lambda: toy.llm.llm_engine.get_num_unfinished_requests() > 100)
 
 
 @pytest.fixture(scope="module")
@@ -43,4 +56,5 @@ def isolated_toy(toy_path):
 
 
 def test_interrupt_isolated(isolated_toy):
-    _interrupt_then_check(isolated_toy)
+    # The engine is in another process: interrupt 0.3 s into a call of 256 requests x 58 tokens.
+    _interrupt_then_check(isolated_toy, lambda: True, delay=0.3)
