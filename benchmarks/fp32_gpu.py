@@ -59,6 +59,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from nnvllm.testing import TF32
+
 PROMPTS = ["The capital of France is", "The Eiffel Tower is in the city of", "Paris is the capital of"]
 MAX_TOKENS = 4
 SITES = ("attn", "mlp")
@@ -133,20 +135,6 @@ def _hf_capture(path: str, prompts, tokens, device: str):
             "sites": run.sites}
 
 
-class _TF32:
-    def __init__(self, on: bool):
-        self.on = on
-
-    def __enter__(self):
-        import torch
-
-        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.on
-
-    def __exit__(self, *exc):
-        import torch
-
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -355,9 +343,9 @@ def main() -> None:
             refs.setdefault(m, {})["hf_cpu"] = _hf_capture(path, PROMPTS, None, "cpu")
             if cuda:
                 toks = refs[m]["hf_cpu"]["tokens"]
-                with _TF32(False):
+                with TF32(False):
                     refs[m]["hf_gpu"] = _hf_capture(path, PROMPTS, toks, "cuda")
-                with _TF32(True):
+                with TF32(True):
                     refs[m]["hf_gpu_tf32"] = _hf_capture(path, PROMPTS, toks, "cuda")
         print(f"transformers side done at {time.monotonic() - t_all:.0f}s", flush=True)
 

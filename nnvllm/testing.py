@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-__all__ = ["tiny_checkpoint", "KINDS"]
+__all__ = ["tiny_checkpoint", "KINDS", "TF32"]
 
 KINDS = ("gpt2", "llama")
 
@@ -64,3 +64,24 @@ def tiny_checkpoint(
     tok.save_pretrained(tmp)
     tmp.rename(out)
     return str(out)
+
+
+class TF32:
+    """Context manager: TF32 for fp32 matmuls (cuBLAS) and convolutions (cuDNN) on or off.
+
+    Used where transformers on a GPU is the reference (tests' fidelity bounds, benchmarks/fp32_gpu.py).
+    """
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        import torch
+
+        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.on
+
+    def __exit__(self, *exc):
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved

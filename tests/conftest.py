@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+from nnvllm.testing import TF32
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
@@ -92,22 +94,6 @@ def max_abs_diff(a, b) -> float:
     return abs(float(a) - float(b))
 
 
-class _TF32:
-    """Context manager: TF32 for fp32 matmuls (cuBLAS) and convolutions (cuDNN) on or off."""
-
-    def __init__(self, on: bool):
-        self.on = on
-
-    def __enter__(self):
-        import torch
-
-        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.on
-
-    def __exit__(self, *exc):
-        import torch
-
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
 
 
 class Reference:
@@ -179,9 +165,9 @@ class Fidelity:
         """``compute(device)`` -> a value on the CPU; run here, and on a GPU also with TF32 and on CPU."""
         if not self.gpu:
             return Reference(compute("cpu"))
-        with _TF32(False):
+        with TF32(False):
             value = compute(self.device)
-        with _TF32(True):
+        with TF32(True):
             fast = compute(self.device)
         return Reference(value, compute("cpu"), fast)
 
@@ -191,10 +177,10 @@ class Fidelity:
 
         if not self.gpu:
             return Reference(nv.reference(path, prompts, **kw))
-        with _TF32(False):
+        with TF32(False):
             value = nv.reference(path, prompts, device=self.device, **kw)
         forced = {**kw, "tokens": value.tokens}  # calibrate on the same positions, even if TF32 flips a token
-        with _TF32(True):
+        with TF32(True):
             fast = nv.reference(path, prompts, device=self.device, **forced)
         return Reference(value, nv.reference(path, prompts, **forced), fast)
 
