@@ -15,10 +15,13 @@ batch, then the median of ``--repeats``):
 
 - ``bare_graphs``: ``vllm.LLM`` with vLLM's defaults (torch.compile + CUDA graphs), nothing captured.
 - ``bare_eager``: the same with ``enforce_eager=True``.
-- ``nv_graphs``: ``nv.generate`` on nnvllm's in-process engine (CUDA graphs on, the default); the
+- ``bare_nocompile``: ``vllm.LLM`` with the settings of nnvllm's graph engine (no torch.compile, full
+  CUDA graphs for decode), nothing captured: the part of nnvllm's cost that is not nnsight's runner.
+- ``nv_graphs``: ``nv.generate`` on nnvllm's in-process engine (``cuda_graphs=True``); the
   same process also times ``model.llm.generate`` (nnvllm's engine, nothing captured).
 - ``nv_eager``: the same with ``cuda_graphs=False``.
 - ``nv_isolated``: ``nv.generate`` on an isolated engine (``isolate=True``, graphs on).
+- ``<nv case>_handover_<mode>``: the same with ``NNVLLM_HANDOVER=<mode>`` (stage, pin, plain).
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -105,10 +108,12 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
     L = SHAPES[shape]["layers"]
     res: dict = {}
     gpu_util = 0.6
-    if name in ("bare_graphs", "bare_eager", "vllm_lens"):
+    if name in ("bare_graphs", "bare_eager", "bare_nocompile", "vllm_lens"):
         from vllm import LLM, SamplingParams
 
         kw = {"enforce_eager": True} if name == "bare_eager" else {}
+        if name == "bare_nocompile":  # the graphs nnvllm's engine records, without nnsight's runner
+            kw = {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
         llm = LLM(path, dtype="float16", gpu_memory_utilization=gpu_util, **kw)
         extra_args = {"output_residual_stream": list(range(L))} if name == "vllm_lens" else None
         sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True, extra_args=extra_args)
@@ -125,7 +130,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         from nnvllm import capture
         from vllm import SamplingParams
 
-        kw = {"cuda_graphs": False} if name == "nv_eager" else {}
+        kw = {"cuda_graphs": not name.startswith("nv_eager")}
         model = nv.load(path, isolate=name.startswith("nv_isolated"), dtype="float16",
                         gpu_memory_utilization=gpu_util, **kw)
         if not name.startswith("nv_isolated") and not mode:
@@ -181,7 +186,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         import nnvllm as nv
         from vllm import SamplingParams
 
-        model = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=gpu_util)
+        model = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=gpu_util, cuda_graphs=True)
         sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
         bare = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), 1)
         out = Path(extra["disk"]) / "collect"

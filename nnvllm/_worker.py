@@ -191,7 +191,7 @@ class _Capture:
         # Logits stay in the engine's dtype (what its sampler upcasts): half the bytes of fp32 in fp16.
         self.logits_dtype = taps.dtype
         remote = spec.get("client_pid") != os.getpid()
-        self.shm = _ShmFiles() if remote and self.keep and taps.device.type == "cuda" else None
+        self.shm = _ShmFiles(taps.device) if remote and self.keep and taps.device.type == "cuda" else None
         self.timings: dict[str, float] = {}
         self.stats = {"rows": 0, "partial_prefills": 0}
         self.error: str | None = None
@@ -494,88 +494,125 @@ def sweep_stale() -> list[str]:
     return gone
 
 
+class _ShmFile:
+    """One file in shared memory, mapped here: ``path``, its open ``fd``, the mapping, and whether the
+    mapping is registered with CUDA (page-locked, so a device copy lands in it by DMA)."""
+
+    def __init__(self, nbytes: int, pin: bool = False, device: Any = None) -> None:
+        self.path = os.path.join(shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        self.size = nbytes
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.mm = None
+        self.ptr = 0
+        self.registered = False
+        if nbytes:
+            os.posix_fallocate(self.fd, 0, nbytes)
+            import mmap
+
+            self.mm = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            if pin:
+                self.register(device)
+
+    def register(self, device: Any = None) -> bool:
+        if self.registered or not self.size:
+            return self.registered
+        if device is not None and getattr(device, "type", None) == "cuda":
+            torch.cuda.set_device(device)  # a pool thread starts on device 0
+        self.ptr = torch.frombuffer(self.mm, dtype=torch.uint8).data_ptr()
+        # cudaHostRegisterPortable (1): page-locked for every CUDA context of the process.
+        self.registered = torch.cuda.cudart().cudaHostRegister(self.ptr, self.size, 1) == 0
+        return self.registered
+
+    def host(self, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        return torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+    def release(self, keep: int) -> None:
+        """Unmap here (the client maps the file by name) and cut the file to its first ``keep`` bytes."""
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            self.registered = False
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a tensor still views it; the mapping goes with that tensor
+                pass
+        try:
+            if keep < self.size:
+                os.ftruncate(self.fd, keep)
+        finally:
+            os.close(self.fd)
+
+    def discard(self) -> None:
+        self.release(self.size)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
 class _ShmFiles:
     """Files in shared memory made ready in a background thread while the engine generates.
 
     A fresh tmpfs page costs a fault and zeroing when first touched; done at hand-off time that is
     tens of ms per 100 MB. The sizes are known once the arena exists, so the files are allocated
-    (``posix_fallocate``) and mapped with ``MAP_POPULATE`` during the generation instead.
+    (``posix_fallocate``), mapped with ``MAP_POPULATE`` and, in ``pin`` mode, page-locked for DMA
+    during the generation instead. After the copy, unmapping (and unpinning) happens in the
+    background too.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: Any = None) -> None:
         import concurrent.futures
 
+        self.pin = _handover_mode() == "pin" and device is not None and getattr(device, "type", None) == "cuda"
+        self.device = device
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-        self.ready: list = []  # futures of (path, mmap, nbytes)
+        self.ready: list = []  # futures of _ShmFile
 
     def prepare(self, nbytes: int) -> None:
-        self.ready.append(self.pool.submit(_new_shm, nbytes))
+        self.ready.append(self.pool.submit(_ShmFile, nbytes, self.pin, self.device))
 
-    def take(self, nbytes: int):
-        """A prepared file of at least ``nbytes`` (trimmed to it), else a new one."""
+    def take(self, nbytes: int) -> _ShmFile:
+        """A prepared file of at least ``nbytes``, else a new one."""
         for i, fut in enumerate(self.ready):
-            path, mm, size = fut.result()
-            if size >= nbytes:
+            f = fut.result()
+            if f.size >= nbytes:
                 self.ready.pop(i)
-                if size > nbytes:
-                    mm.close()
-                    os.truncate(path, nbytes)
-                    mm = _map(path, nbytes)
-                return path, mm
-        path, mm, _ = _new_shm(nbytes)
-        return path, mm
+                return f
+        return _ShmFile(nbytes)
+
+    def release(self, f: _ShmFile, keep: int) -> None:
+        self.pool.submit(f.release, keep)
 
     def discard(self) -> None:
         for fut in self.ready:
             try:
-                path, mm, _ = fut.result()
-                mm.close()
-                os.unlink(path)
+                fut.result().discard()
             except Exception:  # noqa: BLE001
                 pass
         self.ready = []
         self.pool.shutdown(wait=False)
 
 
-def _map(path: str, nbytes: int):
-    import mmap
-
-    fd = os.open(path, os.O_RDWR)
-    try:
-        return mmap.mmap(fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    finally:
-        os.close(fd)
-
-
-def _new_shm(nbytes: int):
-    path = os.path.join(shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        if nbytes:
-            os.posix_fallocate(fd, 0, nbytes)
-    finally:
-        os.close(fd)
-    return path, (_map(path, nbytes) if nbytes else None), nbytes
+def _handover_mode() -> str:
+    mode = os.environ.get("NNVLLM_HANDOVER", "stage")
+    if mode not in ("stage", "pin", "plain"):
+        raise ValueError(f"NNVLLM_HANDOVER={mode!r}; expected 'stage', 'pin' or 'plain'")
+    return mode
 
 
 _STAGING: list = []  # two pinned buffers, reused across hand-offs
 
 
-def _d2h(host: torch.Tensor, v: torch.Tensor, mode: str) -> None:
+def _d2h(host: torch.Tensor, v: torch.Tensor, mode: str, f: _ShmFile | None = None) -> None:
     """Copy device tensor ``v`` into the shared-memory tensor ``host`` (same shape)."""
     if not v.is_cuda:
         host.copy_(v)
         return
-    if mode == "pin":
-        nbytes = host.numel() * host.element_size()
-        if torch.cuda.cudart().cudaHostRegister(host.data_ptr(), nbytes, 0) == 0:
-            try:
-                host.copy_(v, non_blocking=True)
-                torch.cuda.current_stream().synchronize()
-            finally:
-                torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
-            return
-    if mode == "stage":
+    if mode == "pin" and f is not None and (f.registered or f.register(v.device)):
+        host.copy_(v, non_blocking=True)  # DMA straight into the page-locked file
+        torch.cuda.current_stream().synchronize()
+        return
+    if mode in ("stage", "pin"):
         # Device -> pinned staging (DMA) -> shared memory (multi-threaded CPU copy), two buffers
         # so the next chunk's DMA overlaps this chunk's CPU copy.
         chunk = 64 << 20
@@ -615,25 +652,23 @@ def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFi
 
     Each tensor becomes one file in ``/dev/shm``, prepared during the generation (:class:`_ShmFiles`).
     ``NNVLLM_HANDOVER`` picks how a GPU tensor gets there: ``stage`` (default: DMA into a pinned
-    staging buffer, then a multi-threaded copy), ``pin`` (pin the file's pages for the copy) or
-    ``plain`` (a pageable copy).
+    staging buffer, then a multi-threaded copy), ``pin`` (the file's pages are page-locked while it
+    is prepared, and the copy is one DMA into them) or ``plain`` (a pageable copy).
     """
     if same_process:
         return {"tensors": {k: v.to("cpu") for k, v in tensors.items()}}
-    mode = os.environ.get("NNVLLM_HANDOVER", "stage")
+    mode = _handover_mode()
     files = {}
     for name, v in tensors.items():
         nbytes = v.numel() * v.element_size()
-        path, mm = shm.take(nbytes) if shm is not None else _new_shm(nbytes)[:2]
+        f = shm.take(nbytes) if shm is not None else _ShmFile(nbytes)
         if nbytes:
-            host = torch.frombuffer(mm, dtype=torch.uint8).view(v.dtype).view(v.shape)
-            _d2h(host, v, mode)
-            del host
-            try:
-                mm.close()
-            except BufferError:
-                pass
-        files[name] = {"path": path, "dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+            _d2h(f.host(nbytes, v.dtype, v.shape), v, mode, f)
+        if shm is not None:
+            shm.release(f, nbytes)
+        else:
+            f.release(nbytes)
+        files[name] = {"path": f.path, "dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
     return {"files": files}
 
 

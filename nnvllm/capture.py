@@ -12,7 +12,7 @@ import contextlib
 import os
 import signal
 import threading
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 

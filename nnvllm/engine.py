@@ -59,6 +59,67 @@ def cpu_defaults(tensor_parallel_size: int = 1) -> dict[str, Any]:
     return d
 
 
+def fit_gpu_memory(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """Size a GPU engine to the memory that is free, unless the caller chose a size.
+
+    vLLM takes ``gpu_memory_utilization`` (default 0.9) of each GPU's *total* memory and refuses to
+    start when less than that is free, so a second engine in one notebook (or next to another
+    process) fails at vLLM's default (even with ``kv_cache_memory_bytes``, which leaves that check in
+    place). Without ``gpu_memory_utilization`` from the caller, this sets it to 0.9 x the free share
+    of the engine's fullest GPU when less than 98% is free; the first engine on an empty GPU gets
+    vLLM's default unchanged. Read through NVML, so the notebook process creates no CUDA context.
+    """
+    if "gpu_memory_utilization" in engine_args:
+        return engine_args
+    n = int(engine_args.get("tensor_parallel_size", 1) or 1) * int(engine_args.get("pipeline_parallel_size", 1) or 1)
+    return _fit(engine_args, _free_gpu_share(n))
+
+
+def _fit(engine_args: dict[str, Any], share: float | None) -> dict[str, Any]:
+    """:func:`fit_gpu_memory` given the free share of memory (None: unknown)."""
+    if "gpu_memory_utilization" in engine_args or share is None or share >= 0.98:
+        return engine_args
+    util = 0.9 * share
+    if util < 0.02:
+        raise RuntimeError(
+            f"the GPU(s) this engine would use have {100 * share:.1f}% of their memory free. Close an "
+            "engine you no longer need (nv.engines() lists them, each with .close()), or pass "
+            "gpu_memory_utilization=... / kv_cache_memory_bytes=... yourself.")
+    return {**engine_args, "gpu_memory_utilization": round(util - 0.005, 3)}
+
+
+def _free_gpu_share(n: int) -> float | None:
+    """min(free / total) over the first ``n`` visible GPUs, through NVML; None if NVML is not there."""
+    try:
+        import pynvml
+    except ImportError:
+        try:
+            from vllm.third_party import pynvml  # vLLM carries a copy
+        except ImportError:
+            return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001
+        return None
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = [x.strip() for x in visible.split(",") if x.strip()] if visible else [str(i) for i in range(n)]
+        shares = []
+        for dev in ids[:n]:
+            h = (pynvml.nvmlDeviceGetHandleByIndex(int(dev)) if dev.isdigit()
+                 else pynvml.nvmlDeviceGetHandleByUUID(dev))
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            shares.append(mem.free / mem.total)
+        return min(shares) if shares else None
+    except Exception:  # noqa: BLE001 (an unusual device naming: leave vLLM's default)
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
 def _cpu_environment(tp: int) -> None:
     # vLLM reads these when the engine is built, not at import: set them here, never at import.
     if tp == 1:
@@ -537,6 +598,8 @@ def load(
         raise TypeError(f"isolate={isolate!r}; expected True, False or None (the platform default)")
     # Every check that needs no engine runs here, before one starts (seconds to minutes of work).
     engine_args = _validate.engine_args(engine_args)
+    if has_cuda():
+        engine_args = fit_gpu_memory(engine_args)
     weights = _needs_weight_files(engine_args)
     if not isolate:
         if not _is_hub_id(model):  # a local folder: its config and weights (_build_engine reads it again)

@@ -17,6 +17,11 @@
 #   STAGES           a subset to run, e.g. STAGES="engine" or STAGES="tp_vllm tp_isolated"
 #   TESTS            what the engine stage runs (default tests/), e.g. "tests/test_capture.py tests/test_vllm.py"
 #   STAGE_TIMEOUT    seconds per stage (default: none)
+#   GPUS             split the engine stage into parallel pytest processes, one per entry, each with
+#                    CUDA_VISIBLE_DEVICES set to it (e.g. GPUS="0 0 1": two on GPU 0, one on GPU 1);
+#                    test files are dealt out by size (scripts/split_tests.py), logs in engine_<k>.txt.
+#                    Test engines hold ~2 GiB each (tests/conftest.py), so several share a GPU.
+#   PYTEST_ARGS      extra pytest arguments for every stage (e.g. "--durations=20")
 #   NNVLLM_NO_SETUP=1  never create a venv; use python3 as it is
 #   PYTHON           the interpreter (default python3)
 # Without NNVLLM_NO_SETUP and with no interpreter that imports vllm and nnsight, `make setup` builds .venv.
@@ -28,7 +33,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --tp) TP="${2:?--tp needs a number}"; shift 2 ;;
     --tp=*) TP="${1#--tp=}"; shift ;;
-    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "test_gpu.sh: unknown argument '$1' (expected --tp N)" >&2; exit 2 ;;
   esac
 done
@@ -106,15 +111,33 @@ run_stage() {  # name, then the command
 for stage in $STAGES; do
   case "$stage" in
     engine)
-      NNVLLM_FIDELITY_JSON="$OUT_DIR/fidelity_engine.json" \
-        run_stage engine "$PY" -m pytest -q -ra ${TESTS:-tests/} --tp 1 ;;
+      if [ -z "${GPUS:-}" ]; then
+        NNVLLM_FIDELITY_JSON="$OUT_DIR/fidelity_engine.json" \
+          run_stage engine "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} ${TESTS:-tests/} --tp 1
+      else
+        read -r -a gpus <<< "$GPUS"
+        mapfile -t shares < <("$PY" scripts/split_tests.py "${#gpus[@]}" ${TESTS:-tests/})
+        pids=()
+        for k in "${!gpus[@]}"; do
+          ( CUDA_VISIBLE_DEVICES="${gpus[$k]}" NNVLLM_FIDELITY_JSON="$OUT_DIR/fidelity_engine_$k.json" \
+              run_stage "engine_$k" "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} ${shares[$k]} --tp 1
+            exit $failed ) &
+          pids+=($!)
+        done
+        for k in "${!pids[@]}"; do
+          wait "${pids[$k]}"; rc=$?
+          dt=$(tail -1 "$OUT_DIR/engine_$k.txt" | sed -n 's/.*after \([0-9]*\)s$/\1/p')
+          names+=("engine_$k"); rcs+=("$rc"); secs+=("${dt:-?}")
+          [ "$rc" -eq 0 ] || failed=1
+        done
+      fi ;;
     notebooks)
-      run_stage notebooks "$PY" -m pytest -q -ra --nbmake notebooks/ ;;
+      run_stage notebooks "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} --nbmake notebooks/ ;;
     tp_vllm)
       NNVLLM_FIDELITY_JSON="$OUT_DIR/fidelity_tp_vllm.json" \
-        run_stage tp_vllm "$PY" -m pytest -q -ra tests/test_vllm.py --tp "$TP" ;;
+        run_stage tp_vllm "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} tests/test_vllm.py --tp "$TP" ;;
     tp_isolated)
-      run_stage tp_isolated "$PY" -m pytest -q -ra tests/test_isolated.py -m tp --tp "$TP" ;;
+      run_stage tp_isolated "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} tests/test_isolated.py -m tp --tp "$TP" ;;
     *) echo "test_gpu.sh: unknown stage '$stage' (engine, notebooks, tp_vllm, tp_isolated)" >&2
        names+=("$stage"); rcs+=(2); secs+=(0); failed=1 ;;
   esac

@@ -8,8 +8,10 @@ import threading
 import time
 
 import pytest
+import torch
 
 import nnvllm as nv
+from conftest import engine_kwargs
 
 PROMPTS = [f"The capital of {c} is" for c in list(nv.toy.CAPITALS)[:16]]
 
@@ -43,18 +45,33 @@ def _interrupt_then_check(model, busy, delay=0.0):
         faulthandler.cancel_dump_traceback_later()
 
 
-def test_interrupt_in_process(toy):
+@pytest.fixture(scope="module")
+def in_process_toy(toy_path):
+    model = nv.load(toy_path, isolate=False, **engine_kwargs(1))  # on a GPU the default is isolated
+    yield model
+    model.close()
+
+
+def test_interrupt_in_process(in_process_toy):
     # In-process, the engine is in this process: interrupt once it holds the batch's requests.
+    toy = in_process_toy
     _interrupt_then_check(toy, lambda: toy.llm.llm_engine.get_num_unfinished_requests() > 100)
 
 
 @pytest.fixture(scope="module")
 def isolated_toy(toy_path):
-    model = nv.load(toy_path, isolate=True)
+    model = nv.load(toy_path, isolate=True, **engine_kwargs(1))
     yield model
     model.close()
 
 
 def test_interrupt_isolated(isolated_toy):
-    # The engine is in another process: interrupt 0.3 s into a call of 256 requests x 58 tokens.
-    _interrupt_then_check(isolated_toy, lambda: True, delay=0.3)
+    # The engine is in another process: interrupt 0.3 s into a call of 256 requests x 58 tokens
+    # (on CPU). A GPU finishes such a call in about that time, so there the delay is 30% of an
+    # uninterrupted call's measured duration.
+    delay = 0.3
+    if torch.cuda.is_available():
+        t = time.perf_counter()
+        nv.generate(isolated_toy, PROMPTS * 16, max_tokens=58, ignore_eos=True)
+        delay = 0.3 * (time.perf_counter() - t)
+    _interrupt_then_check(isolated_toy, lambda: True, delay=delay)

@@ -512,3 +512,16 @@ def test_import_nnvllm_loads_no_engine():
             "if m.split('.')[0] in ('vllm', 'nnsight', 'transformers', 'ipywidgets')}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_gpu_engines_are_sized_to_free_memory():
+    from nnvllm.engine import _fit
+
+    assert _fit({}, None) == {}  # no NVML: vLLM's default
+    assert _fit({}, 0.995) == {}  # an empty GPU: vLLM's default
+    got = _fit({"dtype": "float16"}, 0.10)["gpu_memory_utilization"]
+    assert 0.08 < got < 0.09  # 0.9 x the free 10%, a little under
+    assert _fit({"gpu_memory_utilization": 0.5}, 0.10) == {"gpu_memory_utilization": 0.5}  # the caller's choice
+    assert "gpu_memory_utilization" in _fit({"kv_cache_memory_bytes": 1 << 30}, 0.5)
+    with pytest.raises(RuntimeError, match="nv.engines"):
+        _fit({}, 0.01)
