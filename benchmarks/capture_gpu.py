@@ -21,6 +21,8 @@ batch, then the median of ``--repeats``):
   same process also times ``model.llm.generate`` (nnvllm's engine, nothing captured).
 - ``nv_eager``: the same with ``cuda_graphs=False``.
 - ``nv_isolated``: ``nv.generate`` on an isolated engine (``isolate=True``, graphs on).
+- ``nv_fp32`` / ``nv_fp32_exact``: ``nv_graphs`` with the weights in fp32, without and with
+  ``exact=True`` (the speed cost of full-precision fp32 attention).
 - ``<nv case>_handover_<mode>``: the same with ``NNVLLM_HANDOVER=<mode>`` (stage, pin, plain).
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
@@ -122,7 +124,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             out = llm.generate(ps[:1], sp, use_tqdm=False)
             res["vllm_lens_shape"] = list(out[0].activations["residual_stream"].shape)
         return res
-    if name.startswith(("nv_graphs", "nv_eager", "nv_isolated")):
+    if name.startswith(("nv_graphs", "nv_eager", "nv_isolated", "nv_fp32")):
         mode = name.split("_handover_")[1] if "_handover_" in name else None
         if mode:
             os.environ["NNVLLM_HANDOVER"] = mode  # inherited by the engine's processes
@@ -131,7 +133,10 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         from vllm import SamplingParams
 
         kw = {"cuda_graphs": not name.startswith("nv_eager")}
-        model = nv.load(path, isolate=name.startswith("nv_isolated"), dtype="float16",
+        dtype = "float16"
+        if name.startswith("nv_fp32"):  # fp32 weights, with and without exact=True (full-precision attention)
+            dtype, kw["exact"] = "float32", name == "nv_fp32_exact"
+        model = nv.load(path, isolate=name.startswith("nv_isolated"), dtype=dtype,
                         gpu_memory_utilization=gpu_util, **kw)
         if not name.startswith("nv_isolated") and not mode:
             sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)

@@ -13,9 +13,11 @@ nnsight's ``VLLM`` fails on a machine without an accelerator in two places:
    ``CPUModelRunner`` is built swaps its class to :class:`NNsightCPUModelRunner`, which inherits
    nnsight's runner (the interleaving) and vLLM's CPU runner (the device work), in that order.
 
-vLLM imports the worker class by its dotted name in every engine process, so it must live in an
-importable module of the package: this one. Only used where CUDA is absent; on a GPU nnvllm uses
-nnsight's ``VLLM`` unchanged.
+vLLM imports the worker class by its dotted name in every engine process, so it lives in an
+importable module of the package: :mod:`nnvllm._cpu_worker`, kept apart because importing vLLM's CPU
+worker patches ``torch.cuda`` for the whole process (this module is imported on every machine, as
+the base of nnvllm's CPU model class). Only used where CUDA is absent; on a GPU nnvllm uses
+nnsight's ``VLLM`` with :mod:`nnvllm._gpu`'s worker.
 """
 
 from __future__ import annotations
@@ -25,50 +27,14 @@ from unittest import mock
 
 import torch
 from nnsight.modeling.vllm import VLLM
-from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
-from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.cpu_worker import CPUWorker
 
-from .arch import untie_shared_modules
-from ._worker import CaptureWorker, RecordingRunner
-
-__all__ = ["CPUVLLM", "NNsightCPUWorker", "NNsightCPUModelRunner"]
-
-
-class _UntiedCPURunner(CPUModelRunner):
-    def load_model(self, *args, **kwargs) -> None:
-        super().load_model(*args, **kwargs)
-        # Before nnsight builds its envoy tree over the model (NNsightGPUModelRunner.load_model).
-        untie_shared_modules(self.get_model())
-
-
-class NNsightCPUModelRunner(RecordingRunner, NNsightGPUModelRunner, _UntiedCPURunner):
-    """nnsight's interleaving runner over vLLM's CPU model runner (adds no state).
-
-    Also unties modules vLLM shares between blocks (see :func:`nnvllm.arch.untie_shared_modules`).
-    """
-
-
-class NNsightCPUWorker(CaptureWorker, NNsightGPUWorker, CPUWorker):
-    """vLLM's CPU worker with nnsight's RPC methods (``collect_nnsight``, ``nnsight_register``, ...)."""
-
-    def init_device(self) -> None:
-        CPUWorker.init_device(self)
-        runner = self.model_runner
-        if type(runner) is not CPUModelRunner:
-            raise NotImplementedError(
-                f"nnvllm instruments vLLM's CPUModelRunner, but this worker built "
-                f"{type(runner).__module__}.{type(runner).__name__}. "
-                "Unset VLLM_USE_V2_MODEL_RUNNER to trace on CPU."
-            )
-        runner.__class__ = NNsightCPUModelRunner
+__all__ = ["CPUVLLM"]
 
 
 class CPUVLLM(VLLM):
     """nnsight's ``VLLM`` for a machine with no accelerator: vLLM's CPU backend underneath."""
 
-    _WORKER_CLS = f"{__name__}.NNsightCPUWorker"
+    _WORKER_CLS = "nnvllm._cpu_worker.NNsightCPUWorker"  # imported only by CPU engine processes
 
     @staticmethod
     @contextlib.contextmanager

@@ -210,7 +210,7 @@ def dtype(value: Any, name: str = "dtype") -> Any:
 def engine_args(args: dict) -> dict:
     """Check the engine arguments :func:`nnvllm.load` knows the rules of; return them normalised.
 
-    Only ``dtype``, ``max_model_len`` and ``tensor_parallel_size`` are checked here (a bad one failed
+    Only ``dtype``, ``max_model_len``, ``tensor_parallel_size``, ``exact`` and ``cuda_graphs`` are checked here (a bad one failed
     deep inside vLLM's start, or not at all); every other argument goes to vLLM as given.
     """
     out = dict(args)
@@ -224,6 +224,9 @@ def engine_args(args: dict) -> dict:
         if v < 1 and v != -1:
             raise ValueError(f"max_model_len={v}: {expected}")
         out["max_model_len"] = v
+    for flag in ("exact", "cuda_graphs"):
+        if flag in out:
+            out[flag] = boolean(flag, out[flag])
     if "tensor_parallel_size" in out:
         out["tensor_parallel_size"] = integer(
             "tensor_parallel_size", out["tensor_parallel_size"], lo=1,

@@ -1,6 +1,6 @@
 """What runs inside the engine's worker process: recording a generation, and handing its bytes over.
 
-This module is imported by the engine workers (``_gpu.py``, ``_cpu.py``); the client never imports
+This module is imported by the engine workers (``_gpu.py``, ``_cpu_worker.py``); the client never imports
 it. The client side of a capture is :func:`nnvllm.capture.generate`.
 
 How a capture stays at the cost of moving its bytes (see DESIGN.md, "The hot path"):

@@ -162,17 +162,10 @@ def patch(
         ...                answer=" Paris", wrong=" Rome")                          # doctest: +SKIP
     """
     from .capture import _context_len, engine_of
-    from .engine import uses_cuda_graphs
 
     # Every argument is checked before the engine does any work (a bad step or token id used to
     # fail only after the clean and corrupt generations, or after every patched pass).
     _check_model(model)
-    if uses_cuda_graphs(model):
-        # Seen on an H200 (vLLM 0.26): nv.patch on an engine loaded with cuda_graphs=True ended
-        # the engine core with a CUDA error; until that is understood it is refused here.
-        raise RuntimeError(
-            "nv.patch needs an eager engine, and this one replays CUDA graphs (cuda_graphs=True). "
-            "Load one with nv.load(..., cuda_graphs=False) (the default) for patching.")
     if site not in ("resid", "attn", "mlp"):
         raise ValueError(f"site={site!r}; patch() writes 'resid', 'attn' or 'mlp' (same width as the stream)")
     clean, corrupt = _one_prompt("clean", clean), _one_prompt("corrupt", corrupt)

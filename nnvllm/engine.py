@@ -8,7 +8,7 @@ unchanged::
         h = model.transformer.h[2].output.clone().save()
 
 Two things differ from plain nnsight, both fixes rather than features:
-- On CPU the engine uses the worker from :mod:`nnvllm._cpu` (nnsight 0.8.1 has none).
+- On CPU the engine uses the worker from :mod:`nnvllm._cpu_worker` (nnsight 0.8.1 has none).
 - Parameter-free modules that vLLM shares between blocks (GPT-2's activation) are given one copy
   per block, in the client's tree and in the worker's (:func:`nnvllm.arch.untie_shared_modules`),
   so ``h[i].mlp.act.output`` is block i's value instead of block 0's.
@@ -283,6 +283,7 @@ def _build_model_classes():
 
         def _load_meta(self, repo_id: str, **kwargs: Any):
             kwargs.pop("cuda_graphs", None)
+            kwargs.pop("exact", None)
             module = super()._load_meta(repo_id, **kwargs)
             untie_shared_modules(module)
             return module
@@ -347,6 +348,8 @@ def _build_model_classes():
         # any step that carries an nnsight trace eagerly, so the engine keeps vLLM's CUDA graphs.
         def _load(self, repo_id: str, **kwargs: Any):
             self._nnvllm_graphs = bool(kwargs.pop("cuda_graphs", False))
+            if kwargs.pop("exact", False):
+                exact_environment()
             return super()._load(repo_id, **kwargs)
 
         def _load_sync(self, repo_id: str, **kwargs: Any):
@@ -393,6 +396,19 @@ def real_stdout():
         yield
     finally:
         sys.stdout = kept
+
+
+def exact_environment() -> None:
+    """Make fp32 on the GPU match transformers: Triton's fp32 dot products in full precision.
+
+    Measured on an H200 (vLLM 0.26, ``benchmarks/fp32_gpu.py``, docs/discrepancies.md): vLLM's fp32
+    attention (TRITON_ATTN) calls ``tl.dot`` without a precision, and Triton then multiplies fp32 in
+    TF32; that alone is the whole gap to transformers (toy model: 9.0e-4 on the residual stream,
+    9.8e-3 on the logits; with ``TRITON_F32_DEFAULT=ieee`` 4.8e-7 and 4.8e-6). Triton reads the
+    variable when it compiles a kernel, so it is set in this process (and so inherited by the engine
+    processes it starts); it also applies to other Triton kernels compiled here afterwards.
+    """
+    os.environ["TRITON_F32_DEFAULT"] = "ieee"
 
 
 def uses_cuda_graphs(model) -> bool:
@@ -451,6 +467,7 @@ def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engi
     else:
         cls = CPUModel
         engine_args.pop("cuda_graphs", None)  # vLLM's CPU backend runs eagerly here
+        engine_args.pop("exact", None)  # fp32 on CPU matches transformers already (tests: <= 1e-6)
         _cpu_environment(tp)
         engine_args = {**cpu_defaults(tp), **engine_args}
     with real_stdout():
@@ -557,7 +574,10 @@ def load(
             ``cuda_graphs=True`` makes the engine replay CUDA graphs for decode steps:
             :func:`nnvllm.generate` records through them (``nnvllm._worker``; measured 3.1x faster
             than eager on an H200, same numbers bit for bit) and steps of an nnsight trace run
-            eagerly. :func:`nnvllm.patch` refuses such an engine (see docs/engines.md).
+            eagerly.
+            ``exact=True`` (GPU, fp32): full-precision fp32 attention, so that vLLM matches
+            transformers to fp32 rounding (without it, Triton's TF32 dot products leave ~1e-3 on
+            the residual stream; docs/discrepancies.md). Implies ``dtype="float32"``.
 
     Returns:
         The model, usable as ``with model.trace(prompt, temperature=0.0): ...``; it also has
@@ -598,6 +618,12 @@ def load(
         raise TypeError(f"isolate={isolate!r}; expected True, False or None (the platform default)")
     # Every check that needs no engine runs here, before one starts (seconds to minutes of work).
     engine_args = _validate.engine_args(engine_args)
+    if engine_args.get("exact"):
+        dt = engine_args.get("dtype", "float32")
+        if str(dt).removeprefix("torch.") not in ("float32", "float"):
+            raise ValueError(f"exact=True is fp32 matching transformers; it cannot go with dtype={dt!r}. "
+                             "Drop dtype= (exact implies float32) or drop exact=True.")
+        engine_args = {**engine_args, "dtype": "float32"}
     if has_cuda():
         engine_args = fit_gpu_memory(engine_args)
     weights = _needs_weight_files(engine_args)

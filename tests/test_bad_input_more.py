@@ -100,6 +100,9 @@ LOAD_ROWS = [
     ("tensor_parallel_size=True", None, {"tensor_parallel_size": True}, TypeError, ["tensor_parallel_size=True"]),
     ("tensor_parallel_size=0, isolated", None, {"tensor_parallel_size": 0, "isolate": True}, ValueError,
      ["tensor_parallel_size=0"]),
+    ("exact with fp16", None, {"exact": True, "dtype": "float16"}, ValueError, ["exact=True", "dtype='float16'"]),
+    ("exact='yes'", None, {"exact": "yes"}, TypeError, ["exact='yes'", "True or False"]),
+    ("cuda_graphs=1", None, {"cuda_graphs": 1}, TypeError, ["cuda_graphs=1", "True or False"]),
 ]
 
 
@@ -127,6 +130,7 @@ VALID_LOADS = [
     ("dtype=BFloat16, max_model_len=-1", None, {"dtype": "BFloat16", "max_model_len": -1}),
     ("dtype=torch.float16, max_model_len=None", None, {"dtype": torch.float16, "max_model_len": None}),
     ("tensor_parallel_size=np.int64(1)", None, {"tensor_parallel_size": np.int64(1)}),
+    ("exact=True, dtype=float32", None, {"exact": True, "dtype": "float32"}),
 ]
 
 

@@ -21,6 +21,15 @@ from conftest import engine_kwargs
 FACTS = [p for p, _ in nv.toy.FACTS][:12]
 
 
+@pytest.fixture(scope="module")
+def toy(toy_path, tp):
+    # In-process (on a GPU too, where nv.load isolates by default): the failed-recording test arms
+    # the worker directly through toy.llm.
+    model = nv.load(toy_path, isolate=False, **engine_kwargs(tp))
+    yield model
+    model.close()
+
+
 def _check(run, toy_path, tag):
     ref = nv.reference(toy_path, run.prompts, tokens=run.tokens)
     for i in range(len(run)):

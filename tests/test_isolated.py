@@ -367,18 +367,18 @@ def test_a_killed_engine_raises_engine_died_and_restart_brings_it_back(iso):
 
 
 @pytest.mark.tp
-def test_tensor_parallel_isolated_engine_matches_transformers(toy_path):
+def test_tensor_parallel_isolated_engine_matches_transformers(toy_path, fidelity):
     prompts = [CLEAN, "The Eiffel Tower is in the city of"]
     with nv.load(toy_path, isolate=True, **engine_kwargs(2)) as model:
         run = nv.generate(model, prompts, max_tokens=3, sites=("mlp_in", "mlp_act"), ignore_eos=True)
         lens = nv.logit_lens(model, CLEAN, max_tokens=2)
-    ref = nv.reference(toy_path, prompts, max_tokens=3, sites=("mlp_in", "mlp_act"), ignore_eos=True)
-    assert run.meta["tp"] == 2 and run.tokens == ref.tokens
+    hf = fidelity.reference(toy_path, prompts, max_tokens=3, sites=("mlp_in", "mlp_act"), ignore_eos=True)
+    assert run.meta["tp"] == 2 and run.tokens == hf.value.tokens
     for i in range(2):
-        assert (run.resid[i] - ref.resid[i]).abs().max() < 1e-3
-        assert (run.logits[i] - ref.logits[i]).abs().max() < 1e-3
+        hf.check(run.resid[i], 1e-3, lambda r, i=i: r.resid[i], f"resid[{i}]")
+        hf.check(run.logits[i], 1e-3, lambda r, i=i: r.logits[i], f"logits[{i}]")
         for s in ("mlp_in", "mlp_act"):
-            assert (run.sites[s][i] - ref.sites[s][i]).abs().max() < 1e-3
+            hf.check(run.sites[s][i], 1e-3, lambda r, s=s, i=i: r.sites[s][i], f"{s}[{i}]")
     assert lens.top_ids[-1, len(run.prompt_ids[0]) - 1, 0] == run.tokens[0][0]
 
 

@@ -525,3 +525,20 @@ def test_gpu_engines_are_sized_to_free_memory():
     assert "gpu_memory_utilization" in _fit({"kv_cache_memory_bytes": 1 << 30}, 0.5)
     with pytest.raises(RuntimeError, match="nv.engines"):
         _fit({}, 0.01)
+
+
+def test_model_classes_leave_torch_cuda_alone():
+    # vLLM's CPU worker module replaces torch.cuda.Stream/Event/current_stream for the whole process
+    # when imported; the model classes (unpickled in every GPU engine process with each trace) must
+    # not import it (on an H200 every nnsight trace killed the engine core that way).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; cs = torch.cuda.current_stream; import nnvllm.engine as e; e._model_classes(); "
+        "import nnvllm._gpu; "
+        "bad = [m for m in sys.modules if m.startswith(('vllm.v1.worker.cpu', 'nnvllm._cpu_worker'))]; "
+        "assert not bad, bad; assert torch.cuda.current_stream is cs; print('ok')"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]

@@ -257,14 +257,20 @@ def test_collect_on_the_engine_matches_generate_and_resumes(toy, tmp_path, monke
     ds = nv.collect(toy, prompts, tmp_path / "a", batch_size=2, progress=False, **kw)
     assert len(ds) == 6 and ds.complete
 
+    # Bitwise on CPU. On a GPU, batches of 2 and of 6 run different GEMM tilings: fp32 rounding apart.
+    tol = 1e-4 if torch.cuda.is_available() else 0.0
+
+    def same(a, b):
+        return a.shape == b.shape and (a.float() - b.float()).abs().max().item() <= tol
+
     def check(ds):
         for i in range(6):
             r = ds[i]
             assert r.tokens == direct.tokens[i] and r.prompt_ids == direct.prompt_ids[i]
-            assert torch.equal(r.resid, direct.resid[i]), i
-            assert torch.equal(r.sites["mlp"], direct.sites["mlp"][i]), i
+            assert same(r.resid, direct.resid[i]), i
+            assert same(r.sites["mlp"], direct.sites["mlp"][i]), i
             want = torch.log_softmax(direct.logits[i], -1).gather(-1, direct.samples[i].ids[:, None])[:, 0]
-            assert torch.equal(r.logprobs, want)
+            assert same(r.logprobs, want)
 
     check(ds)
     ds.verify()

@@ -1,0 +1,50 @@
+"""nnvllm's engine worker for vLLM's CPU backend (see :mod:`nnvllm._cpu` for why it exists).
+
+vLLM imports the worker class by its dotted name in every engine process. Importing this module
+imports vLLM's CPU worker, whose ``cpu/shm.py`` replaces ``torch.cuda.Stream``, ``Event``,
+``current_stream`` and ``Tensor.pin_memory`` with placeholders for the whole process: it must never
+be imported where CUDA runs (seen on an H200: every nnsight trace then killed the engine core with
+"expected stream to be a torch.Stream"). Only :data:`nnvllm._cpu.CPUVLLM` names it, and only a
+CPU engine loads it.
+"""
+
+from __future__ import annotations
+
+from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from ._worker import CaptureWorker, RecordingRunner
+from .arch import untie_shared_modules
+
+__all__ = ["NNsightCPUWorker", "NNsightCPUModelRunner"]
+
+
+class _UntiedCPURunner(CPUModelRunner):
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        # Before nnsight builds its envoy tree over the model (NNsightGPUModelRunner.load_model).
+        untie_shared_modules(self.get_model())
+
+
+class NNsightCPUModelRunner(RecordingRunner, NNsightGPUModelRunner, _UntiedCPURunner):
+    """nnsight's interleaving runner over vLLM's CPU model runner (adds no state).
+
+    Also unties modules vLLM shares between blocks (see :func:`nnvllm.arch.untie_shared_modules`).
+    """
+
+
+class NNsightCPUWorker(CaptureWorker, NNsightGPUWorker, CPUWorker):
+    """vLLM's CPU worker with nnsight's RPC methods (``collect_nnsight``, ``nnsight_register``, ...)."""
+
+    def init_device(self) -> None:
+        CPUWorker.init_device(self)
+        runner = self.model_runner
+        if type(runner) is not CPUModelRunner:
+            raise NotImplementedError(
+                f"nnvllm instruments vLLM's CPUModelRunner, but this worker built "
+                f"{type(runner).__module__}.{type(runner).__name__}. "
+                "Unset VLLM_USE_V2_MODEL_RUNNER to trace on CPU."
+            )
+        runner.__class__ = NNsightCPUModelRunner
