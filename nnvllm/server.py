@@ -389,6 +389,9 @@ def main(argv: list[str] | None = None) -> None:
     # vLLM's EngineCore and workers inherit this and end their process group once this server is
     # gone (killed with SIGKILL, e.g. by the OOM killer): see nnvllm._worker.watch_server.
     os.environ["NNVLLM_SERVER_PID"] = str(os.getpid())
+    # vLLM's single-process executor starts torch.distributed at tcp://<this host's IP>: on the H200
+    # the engine then listened on a non-loopback address. The server is loopback-only; so is its engine.
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
     from .engine import _build_engine
 

@@ -1,7 +1,7 @@
 """Logit lens, patching and discrepancy reports on the real engine, proven against transformers.
 
 Bounds are CPU bounds; on a GPU the ``fidelity`` fixture (conftest.py) compares with transformers on
-the same GPU and calibrates each bound from transformers' own TF32-vs-CPU distance."""
+the same GPU and calibrates each bound from transformers' own GPU-vs-CPU distance (engines with exact=True)."""
 
 from __future__ import annotations
 

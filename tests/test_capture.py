@@ -2,7 +2,7 @@
 the embedded toy GPT-2, a tiny random GPT-2 and a tiny random Llama (GQA, untied head).
 
 Bounds are CPU bounds; on a GPU the ``fidelity`` fixture (conftest.py) compares with transformers on
-the same GPU and calibrates each bound from transformers' own TF32-vs-CPU distance."""
+the same GPU and calibrates each bound from transformers' own GPU-vs-CPU distance (engines with exact=True)."""
 
 from __future__ import annotations
 

@@ -133,7 +133,8 @@ def test_tp_activations_agree_with_transformers(toy, toy_path, tp, fidelity):
 
 _TP1_SCRIPT = """
 import sys, torch, nnvllm as nv
-gpu = {"gpu_memory_utilization": 0.3, "kv_cache_memory_bytes": 1 << 30} if torch.cuda.is_available() else {}
+gpu = ({"gpu_memory_utilization": 0.3, "kv_cache_memory_bytes": 1 << 30, "exact": True}
+       if torch.cuda.is_available() else {})  # as tests/conftest.py's engine_kwargs
 m = nv.load(sys.argv[1], tensor_parallel_size=1, dtype="float32", **gpu)
 run = nv.generate(m, sys.argv[3:], max_tokens=4, ignore_eos=True, sites=("mlp_in",))
 run.save(sys.argv[2] + "/run.pt")
