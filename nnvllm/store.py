@@ -141,10 +141,12 @@ def write_shard(run: Run, path: str | Path, request_ids: Sequence[int], logits_p
         tensors["logits"] = _cat(list(run.logits), dim=0)
     meta = {"requests": json.dumps(ids), "logits": policy, "layers": json.dumps(run.layers),
             "sites": json.dumps(list(acts))}
-    save_tensors(tensors, path, meta, fmt=SHARD_FORMAT)
+    # The index keeps the file's sha256 (Dataset.verify); a second digest of the tensors in the header
+    # would be another pass over gigabytes.
+    sha = save_tensors(tensors, path, meta, fmt=SHARD_FORMAT, tensor_sha=False)
     records = [{"prompt": run.prompts[i], "prompt_ids": list(run.prompt_ids[i]), "tokens": list(run.tokens[i]),
                 "text": run.text[i], "positions": positions[i], "steps": steps[i]} for i in range(n)]
-    return {"file": path.name, "requests": ids, "sha256": file_digest(path), "bytes": path.stat().st_size,
+    return {"file": path.name, "requests": ids, "sha256": sha, "bytes": path.stat().st_size,
             "records": records}
 
 
