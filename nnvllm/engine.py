@@ -398,6 +398,14 @@ def real_stdout():
         sys.stdout = kept
 
 
+def default_cuda_graphs() -> bool:
+    """``cuda_graphs`` when :func:`load` is not given it: ``NNVLLM_CUDA_GRAPHS=1`` turns it on (default off)."""
+    v = os.environ.get("NNVLLM_CUDA_GRAPHS", "0").strip().lower()
+    if v not in ("0", "1", "true", "false", ""):
+        raise ValueError(f"NNVLLM_CUDA_GRAPHS={v!r}; expected 1 or 0")
+    return v in ("1", "true")
+
+
 def exact_environment() -> None:
     """Make fp32 on the GPU match transformers: Triton's fp32 dot products in full precision.
 
@@ -626,6 +634,8 @@ def load(
         engine_args = {**engine_args, "dtype": "float32"}
     if has_cuda():
         engine_args = fit_gpu_memory(engine_args)
+        if "cuda_graphs" not in engine_args:
+            engine_args = {**engine_args, "cuda_graphs": default_cuda_graphs()}
     weights = _needs_weight_files(engine_args)
     if not isolate:
         if not _is_hub_id(model):  # a local folder: its config and weights (_build_engine reads it again)
