@@ -466,6 +466,15 @@ def _check_sleep(platform_ok: bool, enabled: bool) -> None:
 def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engine_args: Any):
     """Build and dispatch nnvllm's model class in this process (``mode="async"``: the server's AsyncLLM)."""
     _compat.check_versions()
+    open_ = _other_in_process_engines(None)
+    if open_ and mode == "sync":
+        # vLLM keeps its distributed state (process groups) per process: a second in-process engine
+        # started, but closing either tore that state down under the other (issue 14, item 2).
+        raise RuntimeError(
+            f"this process already runs an in-process engine ({open_[0].checkpoint!r}); vLLM's state is "
+            "per process, so a second one here would break when either is closed. Close it first "
+            "(model.close(), or nv.engines()[i].close()), or load this one in its own process with "
+            "nv.load(..., isolate=True).")
     path, cfg = _resolve(model)
     arch = arch_for(cfg.get("architectures"), where=repr(path))
     GPUModel, CPUModel = _model_classes()
@@ -499,6 +508,13 @@ def default_isolate() -> bool:
 # ---------------------------------------------------------------- live engines
 
 _ENGINES: dict[int, weakref.ref] = {}  # id -> every model load() returned, alive or not
+
+
+def _other_in_process_engines(model) -> list:
+    """In-process engines of this process other than ``model`` (None: all) that are still open."""
+    live = [m for m in (ref() for ref in list(_ENGINES.values())) if m is not None and m is not model]
+    return [m for m in live if not getattr(m, "_nnvllm_isolated", False)
+            and getattr(m, "vllm_entrypoint", None) is not None]
 
 
 def _track(model) -> None:

@@ -150,7 +150,7 @@ def plot_compare(d, ax=None):
 
     ax = _axes(ax, plt)
     a, b = d.names
-    title = f"{a} vs {b} (residual stream)"
+    title = f"{_show(str(a), 40)} vs {_show(str(b), 40)} (residual stream)"
     if len(d.resid) == 0 or not (d.resid["site"] == "resid").any():
         ax.text(0.5, 0.5, "no residual stream compared", ha="center", va="center", transform=ax.transAxes)
     else:
@@ -167,7 +167,7 @@ def plot_compare(d, ax=None):
         ax.set_yscale("log")
         ax.set_xticks(series["max |Δ|"].index.to_numpy())
         ax.set_xlabel("layer")
-        ax.set_ylabel(f"worst over requests and positions ({a} - {b})")
+        ax.set_ylabel(f"worst over requests and positions ({_show(str(a), 40)} - {_show(str(b), 40)})")
         ax.legend(fontsize=8)
     forked = [(i, t) for i, t in enumerate(d.fork) if t is not None]
     if forked:
@@ -189,7 +189,8 @@ def plot_samples(run, i: int, ax=None, *, tokenizer: Any = None):
         run: a :class:`nnvllm.results.Run` (only ``run.samples[i]`` is read).
         i: the request index.
         ax: Axes to draw on; a new figure when None.
-        tokenizer: optional HF tokenizer to label the steps with token text instead of ids.
+        tokenizer: HF tokenizer to label the steps with token text; by default the tokenizer of
+            the run's checkpoint (``run.meta["model"]``) if it is a folder here, else token ids.
 
     Returns:
         The Axes.
@@ -204,6 +205,8 @@ def plot_samples(run, i: int, ax=None, *, tokenizer: Any = None):
     if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
         raise ValueError(f"request i={i!r} out of range for a run of {n} requests (0-{n - 1}).") from None
     s = run.samples[i]
+    if tokenizer is None:
+        tokenizer = _run_tokenizer(run)
     ax = _axes(ax, plt)
     steps = np.arange(len(s))
     probs = s.probs.detach().float().cpu().numpy()
@@ -239,6 +242,26 @@ def _axes(ax, plt):
     if ax is None:
         _, ax = plt.subplots()
     return ax
+
+
+_TOKENIZERS: dict[str, Any] = {}
+
+
+def _run_tokenizer(run) -> Any:
+    """The tokenizer of the checkpoint ``run`` came from, if that is a local folder (cached); else None."""
+    import os
+
+    path = (getattr(run, "meta", None) or {}).get("model")
+    if not isinstance(path, str) or not os.path.isdir(path):
+        return None
+    if path not in _TOKENIZERS:
+        try:
+            from transformers import AutoTokenizer
+
+            _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
+        except Exception:  # noqa: BLE001 (no tokenizer files there: label with ids)
+            _TOKENIZERS[path] = None
+    return _TOKENIZERS[path]
 
 
 def _decode(tokenizer: Any, token_id: int) -> str:

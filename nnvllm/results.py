@@ -78,6 +78,16 @@ class Run:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    def plot(self, i: int = 0, ax=None, *, tokenizer: Any = None):
+        """Draw request ``i``'s sampled tokens and the top alternatives (:func:`nnvllm.plotting.plot_samples`).
+
+        Tokens are labelled with their text: through ``tokenizer``, or else the tokenizer of the
+        checkpoint the run came from (``meta["model"]``) when that is a folder on this machine.
+        """
+        from .plotting import plot_samples
+
+        return plot_samples(self, i, ax=ax, tokenizer=tokenizer)
+
     def __repr__(self) -> str:
         # The dataclass repr printed every tensor: megabytes in a notebook cell for a large run.
         n = len(self.prompts)

@@ -223,6 +223,21 @@ def per_position(d: Discrepancy, metric: str, layer: int):
     return rows.pivot(index="request", columns="pos", values=metric)
 
 
+def position_table_html(table, metric: str, layer: int) -> str:
+    """The per-position table of :func:`per_position` as HTML: cosine shown as ``1 - cosine`` (a
+    cosine of 0.9999999 and of 1 both print as 1.000000000), and "n/a" where a request has no such
+    position (it is shorter, or its tokens forked earlier)."""
+    name = "1 - cosine" if metric == "cosine" else metric
+    shown = 1.0 - table if metric == "cosine" else table
+    return (f"<b>{html.escape(name)} at layer {layer}</b> (rows: request, columns: position)"
+            + shown.to_html(float_format="{:.3g}".format, na_rep="n/a", classes="nnvllm-table"))
+
+
+def _plain(text: str) -> str:
+    """A name safe in a matplotlib title: ``$`` would start mathtext (a ParseException on a stray ``^``)."""
+    return str(text).replace("$", r"\$")
+
+
 def summary_html(d: Discrepancy) -> str:
     """Return :meth:`Discrepancy.summary` as a two-column HTML table."""
     s = d.summary()
@@ -730,7 +745,7 @@ class CompareView(_Explorer):
         if d is None:
             return
         metric, layer = self.metric.value, self.layer.value
-        fig = _figure(10.0, 3.4)
+        fig = _figure(8.0, 3.2)  # 10 in was clipped in JupyterLab with the file browser open
         ax_l, ax_p = fig.subplots(1, 2)
         if len(d.resid) == 0:
             ax_l.text(0.5, 0.5, "no residual stream compared", ha="center", transform=ax_l.transAxes)
@@ -741,16 +756,12 @@ class CompareView(_Explorer):
             _draw_metric(ax_l, per_layer.index.to_numpy(), per_layer.to_numpy(dtype=float), metric, "o-")
             ax_l.axvline(layer, color=_HIGHLIGHT, lw=2)
             ax_l.set_xlabel("layer")
-            ax_l.set_title(f"worst {metric} per layer ({d.names[0]} vs {d.names[1]})", fontsize=9)
+            ax_l.set_title(f"worst {metric} per layer ({_plain(d.names[0])} vs {_plain(d.names[1])})", fontsize=9)
             worst = table.min(axis=0) if metric == "cosine" else table.max(axis=0)
             _draw_metric(ax_p, worst.index.to_numpy(), worst.to_numpy(dtype=float), metric, "s-")
             ax_p.set_xlabel("position")
             ax_p.set_title(f"layer {layer}: worst {metric} per position over requests", fontsize=9)
-            self.table.value = (
-                f"<b>{html.escape(metric)} at layer {layer}</b> (rows: request, columns: position)"
-                + table.to_html(float_format=("{:.9f}" if metric == "cosine" else "{:.3g}").format,
-                                classes="nnvllm-table")
-            )
+            self.table.value = position_table_html(table, metric, layer)
         fig.tight_layout()
         self._show(self.plot, fig, f"<{metric} per layer, layer {layer}>")
 

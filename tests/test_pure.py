@@ -542,3 +542,39 @@ def test_model_classes_leave_torch_cuda_alone():
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and "ok" in p.stdout, p.stderr[-3000:]
+
+
+def test_names_with_mathtext_characters_plot_and_tables_read_right():
+    # Issue 14, items 6-7: "$" in a name started matplotlib's mathtext (a ParseException on "^");
+    # the per-position cosine table printed 1.000000000 everywhere and NaN for shorter requests.
+    import matplotlib.pyplot as plt
+
+    from nnvllm.widgets import per_position, position_table_html
+
+    a = make_run()
+    b = copy.deepcopy(a)
+    b.resid[0] += 1e-4 * torch.randn_like(b.resid[0])
+    b.tokens[1][0] += 1  # request 1 forks at step 0: fewer positions compared
+    d = compare(a, b, names=("vllm $x^$", "hf"))
+    ax = plot_compare(d)
+    ax.figure.canvas.draw()  # mathtext is parsed at draw time
+    assert "$x^$" in ax.get_title().replace("\\$", "$")
+    plt.close(ax.figure)
+    html_ = position_table_html(per_position(d, "cosine", 0), "cosine", 0)
+    assert "1 - cosine" in html_ and "n/a" in html_ and "1.000000000" not in html_ and "NaN" not in html_
+
+
+def test_run_plot_labels_tokens_with_the_checkpoints_tokenizer():
+    # Issue 14, item 8: a Run has plot(); without tokenizer= the run's own checkpoint labels the bars.
+    import nnvllm as nv
+    from transformers import AutoTokenizer
+
+    run = make_run()
+    ax = run.plot(1)
+    assert [t.get_text() for t in ax.get_xticklabels()] == [str(t) for t in run.tokens[1]]  # no checkpoint: ids
+    path = nv.toy.check()
+    run.meta["model"] = path
+    ax = run.plot(1)
+    tok = AutoTokenizer.from_pretrained(path)
+    want = [tok.decode([t]).replace("$", "\\$") for t in run.tokens[1]]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [w if len(w) <= 12 else w[:11] + "…" for w in want]
