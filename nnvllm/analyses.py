@@ -225,9 +225,11 @@ def patch(
     diffs = torch.zeros(len(cells))
     chunk = 64  # invokes per trace: bounded so a progress bar moves and memory stays flat
     bar = tqdm(total=len(cells), desc="patching", disable=not progress, leave=False)
+    from .engine import quiet_generate
+
     for start in range(0, len(cells), chunk):
         part = cells[start : start + chunk]
-        with model.trace(temperature=0.0, max_tokens=step + 1, ignore_eos=True) as tracer:
+        with quiet_generate(model), model.trace(temperature=0.0, max_tokens=step + 1, ignore_eos=True) as tracer:
             for k, (j, layer, p) in enumerate(part):
                 vec = clean_acts[j, p]
                 row = p if step == 0 else 0  # a decode step's slab holds one row: the fed token

@@ -398,6 +398,27 @@ def real_stdout():
         sys.stdout = kept
 
 
+@contextlib.contextmanager
+def quiet_generate(model):
+    """Within the block, an in-process engine's ``vllm.LLM.generate`` shows no progress bars.
+
+    nnsight's trace calls ``generate`` without ``use_tqdm``, so each patched pass of :func:`nnvllm.patch`
+    printed vLLM's "Rendering prompts / Processed prompts" bars under nnvllm's own bar (issue 14,
+    item 9). An isolated engine generates in its own process (its bars go to its log).
+    """
+    llm = getattr(model, "vllm_entrypoint", None)
+    if llm is None or getattr(model, "_nnvllm_isolated", False) or not hasattr(type(llm), "generate"):
+        yield
+        return
+    import functools
+
+    llm.generate = functools.partial(type(llm).generate, llm, use_tqdm=False)  # an instance attribute
+    try:
+        yield
+    finally:
+        llm.__dict__.pop("generate", None)
+
+
 def default_cuda_graphs() -> bool:
     """``cuda_graphs`` when :func:`load` is not given it: ``NNVLLM_CUDA_GRAPHS=1`` turns it on (default off)."""
     v = os.environ.get("NNVLLM_CUDA_GRAPHS", "0").strip().lower()

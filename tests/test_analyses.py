@@ -173,3 +173,16 @@ def test_patch_a_generated_step_matches_transformers(toy, toy_path, fidelity):
         hf.check(float(res.patched_diff[layer, 0]), 1e-3, what=f"patched_diff[{layer}, 0]")
     with pytest.raises(ValueError, match="one position"):
         nv.patch(toy, CLEAN, CORRUPT, ".", " Paris", step=1, positions=[2])
+
+
+def test_patch_prints_no_engine_progress_bars(toy, capfd):
+    # Issue 14, item 9: vLLM's "Processed prompts" bars appeared in nv.patch cells with progress=False.
+    capfd.readouterr()
+    nv.patch(toy, "The capital of France is", "The capital of Italy is", " Paris", " Rome", layers=[0],
+             progress=False)
+    out, err = capfd.readouterr()
+    assert "Processed prompts" not in out + err and "Rendering prompts" not in out + err, (out + err)[-500:]
+    with toy.trace("The capital of France is", temperature=0.0, max_tokens=1):  # plain traces keep vLLM's bars
+        pass
+    out, err = capfd.readouterr()
+    assert "Processed prompts" in out + err or torch.cuda.is_available()
