@@ -40,9 +40,14 @@ def plot_lens(lens, ax=None, *, annotate: bool = True, max_positions: int = 40):
 
     if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
         raise ValueError(f"max_positions={max_positions!r} must be a positive int, e.g. 40.") from None
-    ax = _axes(ax, plt)
     n_layer, n_pos, _ = lens.top_ids.shape
     start = max(0, n_pos - max_positions)
+    n_shown = n_pos - start
+    if ax is None:
+        # Sized to the data (issue 14, item 5): matplotlib's default 6.4 in squeezed 40 positions into
+        # ~4-character, 5 px cells. ~0.45 in per position and ~0.4 in per layer, up to 24 in wide.
+        _, ax = plt.subplots(figsize=(min(24.0, max(6.0, 2.0 + 0.45 * n_shown)), max(3.0, 1.6 + 0.4 * n_layer)))
+    cell_in = (ax.figure.get_figwidth() * ax.get_position().width) / max(n_shown, 1)
     probs = lens.top_probs[:, start:, 0].detach().float().cpu().numpy()
     ids = lens.top_ids[:, start:, 0].cpu().numpy()
     im = ax.imshow(
@@ -64,11 +69,12 @@ def plot_lens(lens, ax=None, *, annotate: bool = True, max_positions: int = 40):
 
     if annotate:
         cache: dict[int, str] = {}
+        cell_chars = max(2, min(8, int(cell_in / 0.065)))  # ~0.065 in per character at 6 pt
         for j in range(probs.shape[0]):
             for c in range(probs.shape[1]):
                 t = int(ids[j, c])
                 if t not in cache:
-                    cache[t] = _show(_decode(lens.tokenizer, t), width=6)
+                    cache[t] = _show(_decode(lens.tokenizer, t), width=cell_chars)
                 ax.text(
                     c,
                     j,

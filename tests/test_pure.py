@@ -419,6 +419,12 @@ def test_plot_lens():
     assert [t.get_text() for t in ticks] == lens.labels
     assert ticks[4].get_color() != ticks[3].get_color()
 
+    # Sized to the data (issue 14, item 5): 40 positions get ~0.45 in each, not matplotlib's 6.4 in.
+    big = Lens.from_run(make_run(prompt_len=4, steps=37), 0, make_unembed(), k=2, tokenizer=CharTokenizer())
+    ax40 = plot_lens(big)
+    assert ax40.images[0].get_array().shape[1] == 40 and ax40.figure.get_figwidth() >= 0.4 * 40
+    plt.close(ax40.figure)
+
     _, own = plt.subplots()
     ax2 = lens.plot(ax=own, annotate=False, max_positions=3)
     assert ax2 is own and not ax2.texts
