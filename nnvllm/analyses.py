@@ -101,9 +101,13 @@ def _single_token(tok, text: str | int, name: str, vocab_size: int | None = None
     ids = tok.encode(text, add_special_tokens=False)
     if len(ids) != 1:
         pieces = [tok.decode([i]) for i in ids]
+        # Suggest a text that is one token (the hint used to be ' ' + text, often two tokens itself).
+        cands = [" " + text.strip(), text.strip()] + ([" " + pieces[0].strip(), pieces[0]] if pieces else [])
+        good = next((c for c in cands if c.strip() and len(tok.encode(c, add_special_tokens=False)) == 1), None)
+        hint = f"e.g. {good!r}" if good is not None else "often with a leading space"
         raise ValueError(
             f"{name}={text!r} is {len(ids)} tokens {pieces}; patching compares single tokens. "
-            f"Pass one token (often with a leading space, e.g. {' ' + text.strip()!r}) or a token id."
+            f"Pass one token ({hint}) or a token id."
         ) from None
     return ids[0]
 

@@ -321,6 +321,10 @@ class _Explorer:
             self.error.value = ""
         return True
 
+    def _clear_error(self) -> None:
+        self.last_error = None
+        self.error.value = ""
+
     def _show(self, out: W.Output, fig, text: str) -> None:
         # Replacing the outputs in one assignment works with or without a kernel and any backend.
         png = figure_png(fig)
@@ -594,6 +598,10 @@ class PatchExplorer(_Explorer):
         self.cell = W.HTML()
         self._refresh_positions()
         self.clean.observe(lambda _: self._guard(self._refresh_positions), names="value")
+        # An error belongs to the inputs that caused it: editing any of them clears it (issue 14,
+        # item 11: a notebook's own test of a bad answer left its red error on the widget).
+        for w in (self.clean, self.corrupt, self.answer, self.wrong, self.site):
+            w.observe(lambda _: self._clear_error(), names="value")
         self.cell_layer.observe(lambda _: self._guard(self.redraw), names="value")
         self.cell_pos.observe(lambda _: self._guard(self.redraw), names="value")
         self.widget = W.VBox([

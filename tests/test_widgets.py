@@ -232,8 +232,10 @@ def test_patch_explorer(toy):
     ex.answer.value = "Paris France"  # two tokens: error in the widget, result kept
     ex.run_button.click()
     assert "2 tokens" in ex.error.value and ex.result is res
+    assert "e.g. &#x27; Paris&#x27;" in ex.error.value or "e.g. ' Paris'" in ex.error.value  # a one-token hint
 
     ex.answer.value = " Paris"
+    assert ex.error.value == "" and ex.last_error is None  # fixing the input clears its error
     ex.site.value = "mlp"
     ex.layers.value = (0, 1)
     ex.positions.value = (3, 4)
