@@ -495,10 +495,11 @@ class SamplesExplorer(_Explorer):
                              layout=W.Layout(width="420px"))
         self.max_tokens = W.BoundedIntText(value=max_tokens, min=1, max=256, description="max tokens",
                                            layout=W.Layout(width="160px"))
+        wide = {"description_width": "initial"}  # "temperature" was cut at ipywidgets' default label width
         self.temperature = W.FloatSlider(value=temperature, min=0.0, max=2.0, step=0.05,
-                                         description="temperature", continuous_update=False)
+                                         description="temperature", continuous_update=False, style=wide)
         self.top_p = W.FloatSlider(value=top_p, min=0.05, max=1.0, step=0.05, description="top-p",
-                                   continuous_update=False)
+                                   continuous_update=False, style=wide)
         self.seed = W.IntText(value=seed, description="seed", layout=W.Layout(width="160px"))
         self.run_button = _button("Sample", self.sample)
         self.plot = W.Output()
