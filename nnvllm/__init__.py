@@ -9,7 +9,9 @@ The public verbs, one hop from here:
 - :func:`reference` (``reference.py``) — the same capture on plain transformers (ground truth).
 - :func:`logit_lens`, :func:`patch` (``analyses.py``; math in ``lens.py``, ``patching.py``).
 - :func:`compare` (``compare.py``) — discrepancies between two runs (vLLM vs HF, TP1 vs TP2).
-- :class:`Run`, :class:`Samples` (``results.py``) — what those return.
+- :class:`Run`, :class:`Samples` (``results.py``) — what those return; :class:`Lens` (``lens.py``),
+  :class:`PatchResult` (``patching.py``), :class:`Discrepancy` (``compare.py``), :class:`Dataset`
+  (``store.py``) and :class:`EngineInfo` (``engine.py``) are the other results.
 - :mod:`toy` (``toy.py``) — the embedded toy model, the default everywhere.
 - :mod:`testing` (``testing.py``) — tiny random GPT-2/Llama checkpoints for tests.
 
@@ -19,12 +21,16 @@ Importing nnvllm imports neither vLLM nor nnsight and changes no global state.
 from . import sampling, toy
 from .analyses import logit_lens, patch
 from .capture import generate
-from .compare import compare
-from .engine import engines, load
+from .compare import Discrepancy, compare
+from .engine import EngineInfo, engines, load
 from .isolated import EngineDied
+from .lens import Lens
+from .patching import PatchResult
 from .reference import reference
 from .results import Run, Samples
-from .store import collect
+from .store import Dataset, collect
 
 __version__ = "0.1.0"
-__all__ = ["load", "engines", "EngineDied", "generate", "collect", "reference", "logit_lens", "patch", "compare", "Run", "Samples", "sampling", "toy", "__version__"]
+__all__ = ["load", "engines", "EngineDied", "generate", "collect", "reference", "logit_lens", "patch", "compare",
+           "Run", "Samples", "Lens", "PatchResult", "Discrepancy", "Dataset", "EngineInfo", "sampling", "toy",
+           "__version__"]

@@ -584,3 +584,13 @@ def test_run_plot_labels_tokens_with_the_checkpoints_tokenizer():
     tok = AutoTokenizer.from_pretrained(path)
     want = [tok.decode([t]).replace("$", "\\$") for t in run.tokens[1]]
     assert [t.get_text() for t in ax.get_xticklabels()] == [w if len(w) <= 12 else w[:11] + "…" for w in want]
+
+
+def test_result_classes_are_exported():
+    # Issue 13, item 5: the classes nnvllm's functions return are reachable from the package.
+    import nnvllm as nv
+
+    for name, module in [("Lens", "lens"), ("PatchResult", "patching"), ("Discrepancy", "compare"),
+                         ("Dataset", "store"), ("EngineInfo", "engine"), ("Run", "results"), ("Samples", "results")]:
+        cls = getattr(nv, name)
+        assert name in nv.__all__ and cls.__module__ == f"nnvllm.{module}", name
