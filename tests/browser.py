@@ -299,6 +299,22 @@ def press_slider(page, css_class: str, key: str = "ArrowRight", times: int = 1) 
         handle.press(key)
 
 
+def fill_text(page, css_class: str, value: str) -> None:
+    """Type ``value`` into the first text box of the widget with ``css_class`` and press Enter
+    (nnvllm's text boxes update on Enter: ``continuous_update=False``)."""
+    box = widget(page, css_class).locator("input[type=text]").first
+    box.scroll_into_view_if_needed()
+    box.fill(value)
+    box.press("Enter")
+
+
+def click_button(page, css_class: str, text: str) -> None:
+    """Click the button labelled ``text`` inside the widget with ``css_class``."""
+    button = widget(page, css_class).locator("button", has_text=text).first
+    button.scroll_into_view_if_needed()
+    button.click()
+
+
 def slider_readout(page, css_class: str) -> str:
     """The text of the slider's ``.widget-readout`` (its displayed value)."""
     return widget(page, css_class).locator(".widget-readout").first.inner_text().strip()

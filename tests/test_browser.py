@@ -30,8 +30,10 @@ def needs_browser():
         pytest.skip(why)
 
 
-def _drive(root: Path, notebook: str, shot: Path) -> dict:
-    """Open ``notebook``, Run All, press ArrowRight on the layer slider; return what was seen."""
+def _drive(root: Path, notebook: str, shot: Path, prompt: str | None = None) -> dict:
+    """Open ``notebook``, Run All, press ArrowRight on the layer slider; then, with ``prompt``, type it
+    into the explorer and click its Run button (a call to the engine after Run All: issue 14, item 1).
+    Return what was seen."""
     t0 = time.monotonic()
     with browser.jupyterlab(root) as lab, browser.chromium() as ctx:
         page = browser.open_notebook(ctx, lab, notebook)
@@ -43,6 +45,13 @@ def _drive(root: Path, notebook: str, shot: Path) -> dict:
         browser.press_slider(page, "nnvllm-layer", "ArrowRight")
         after = browser.wait_img_src_change(page, "nnvllm-plot", before)
         after_value = browser.slider_readout(page, "nnvllm-layer")
+        ran = None
+        if prompt is not None:
+            browser.fill_text(page, "nnvllm-lens", prompt)
+            browser.click_button(page, "nnvllm-lens", "Run")
+            ran = browser.wait_img_src_change(page, "nnvllm-plot", after) != after
+            errors = browser.widget(page, "nnvllm-lens").locator(".nnvllm-error").first.inner_text().strip()
+            assert not errors, f"the explorer showed an error after Run All and a click: {errors[:300]}"
         browser.screenshot(page, shot, css_class="nnvllm-lens")
     seen = {
         "run_s": run_s,
@@ -50,6 +59,7 @@ def _drive(root: Path, notebook: str, shot: Path) -> dict:
         "before_value": before_value,
         "after_value": after_value,
         "changed": after != before,
+        "ran_after_run_all": ran,
     }
     print(f"{notebook}: {seen}")
     return seen
@@ -58,9 +68,10 @@ def _drive(root: Path, notebook: str, shot: Path) -> dict:
 @pytest.mark.browser
 def test_lens_notebook_in_browser(needs_browser):
     assert (REPO / LENS_NOTEBOOK).exists(), f"{LENS_NOTEBOOK} is missing"
-    seen = _drive(REPO, LENS_NOTEBOOK, ARTIFACTS / "lens_notebook.png")
+    seen = _drive(REPO, LENS_NOTEBOOK, ARTIFACTS / "lens_notebook.png", prompt="The capital of Italy is")
     assert seen["changed"], "plot did not redraw after ArrowRight on the layer slider"
     assert seen["after_value"] != seen["before_value"]
+    assert seen["ran_after_run_all"], "the explorer's Run button did not redraw after Run All (engine closed?)"
 
 
 HARNESS_CELLS = [
