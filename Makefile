@@ -38,9 +38,11 @@ toy: setup
 lab: setup
 	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-# Headless: run the first notebook and write its plots to build/demo/.
+# Headless: run the first notebook and write its plots to build/demo/. Offline there is no widget
+# manager to draw the explorer, so its static copy (text/html: its figure) is shown instead.
 demo: setup
-	$(BIN)/jupyter nbconvert --to html --execute notebooks/01_logit_lens.ipynb --output-dir build/demo
+	$(BIN)/jupyter nbconvert --to html --execute notebooks/01_logit_lens.ipynb --output-dir build/demo \
+	  --NbConvertBase.display_data_priority="['text/html','image/svg+xml','image/png','text/markdown','text/plain']"
 
 # Everything: unit + engine tests (TP=1), the seed's tests under TP=2, notebooks, browser, docs.
 test: setup browser

@@ -339,7 +339,19 @@ class _Explorer:
         self.draws += 1
 
     def _repr_mimebundle_(self, **kwargs):
-        return self.widget._repr_mimebundle_(**kwargs)
+        """The live widget, plus a static ``text/html`` copy of what it shows now (its last figure
+        and error), for places with no widget manager: an HTML export such as ``make demo``'s, or a
+        notebook viewer. JupyterLab shows the widget (its mime type ranks first there)."""
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        if isinstance(bundle, tuple):  # (data, metadata)
+            data, meta = bundle
+        else:
+            data, meta = bundle, None
+        if self.png:
+            img = base64.b64encode(self.png).decode("ascii")
+            data = {**data, "text/html": (f"<div class='nnvllm-static'><img src='data:image/png;base64,{img}'/>"
+                                          f"{self.error.value}</div>")}
+        return data if meta is None else (data, meta)
 
 
 def _side_by_side(plot: W.Output, other: W.Widget) -> W.HBox:

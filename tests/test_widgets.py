@@ -284,3 +284,13 @@ def test_compare_view_vllm_vs_transformers(toy, toy_path):
     assert "transformers vs vllm" in view.summary.value
     view.layer.value = 3
     assert "rel_err at layer 3" in view.table.value
+
+
+def test_explorer_carries_a_static_copy_for_html_exports(toy):
+    # Issue 14, item 14: make demo's HTML (no widget manager offline) showed an empty output where the
+    # explorer was; the explorer's display data now also holds its figure as text/html.
+    ex = LensExplorer(toy, "The capital of France is", max_tokens=2)
+    data = ex._repr_mimebundle_()
+    data = data[0] if isinstance(data, tuple) else data
+    assert "application/vnd.jupyter.widget-view+json" in data
+    assert "data:image/png;base64," in data["text/html"] and ex.png
