@@ -508,11 +508,56 @@ def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engi
         engine_args.pop("exact", None)  # fp32 on CPU matches transformers already (tests: <= 1e-6)
         _cpu_environment(tp)
         engine_args = {**cpu_defaults(tp), **engine_args}
-    with real_stdout():
+    quiet = cls is CPUModel and tp == 1 and mode == "sync" and not os.environ.get("NNVLLM_VERBOSE")
+    with real_stdout(), _c_stderr_to_log(quiet) as log:
         m = cls(path, dispatch=True, mode=mode, **engine_args)
     m.arch = arch
     m.checkpoint = path
+    m.start_log = log.text if quiet else None
     return m
+
+
+class _Log:
+    text = ""
+
+
+@contextlib.contextmanager
+def _c_stderr_to_log(on: bool):
+    """While an in-process CPU engine starts, send what C/C++ code writes to file descriptor 2 to a log.
+
+    torch's "NUMA binding: Using MEMBIND policy ..." warning is written there by C++ and so escaped
+    Jupyter's ``%%capture`` in every load cell (issue 14, item 9). Only for the in-process CPU engine
+    at TP=1, whose worker runs in this process: engine processes started meanwhile would inherit the
+    redirection for their whole life. The text is kept as ``model.start_log``; if the start fails,
+    it is added to the error. ``NNVLLM_VERBOSE=1`` leaves stderr alone.
+    """
+    log = _Log()
+    if not on:
+        yield log
+        return
+    import tempfile
+
+    try:
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield log
+        except BaseException as e:
+            os.dup2(saved, 2)
+            f.seek(0)
+            text = f.read().decode(errors="replace")
+            if text.strip() and hasattr(e, "add_note"):
+                e.add_note("engine start-up messages (C/C++ stderr):\n" + "\n".join(text.splitlines()[-40:]))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        log.text = f.read().decode(errors="replace")
 
 
 def default_isolate() -> bool:
