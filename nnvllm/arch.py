@@ -76,6 +76,7 @@ ARCHS: dict[str, Arch] = {
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": _LLAMA,
 }
 
 

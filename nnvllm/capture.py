@@ -242,6 +242,7 @@ def generate(
               sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             top_k=top_k, ignore_eos=ignore_eos),
               meta=dict(engine="vllm", model=model.checkpoint, dtype=info["dtype"], tp=info["tp"]))
+    run.tokenizer = getattr(model, "tokenizer", None)  # for labels (Run.plot); not saved with the run
     for out in outputs:
         rid = out["request_id"]
         rec = by_external.get(rid)

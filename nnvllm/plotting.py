@@ -195,8 +195,9 @@ def plot_samples(run, i: int, ax=None, *, tokenizer: Any = None):
         run: a :class:`nnvllm.results.Run` (only ``run.samples[i]`` is read).
         i: the request index.
         ax: Axes to draw on; a new figure when None.
-        tokenizer: HF tokenizer to label the steps with token text; by default the tokenizer of
-            the run's checkpoint (``run.meta["model"]``) if it is a folder here, else token ids.
+        tokenizer: HF tokenizer to label the steps with token text; by default the one the run
+            was made with (``run.tokenizer``, set by :func:`nnvllm.generate` and
+            :func:`nnvllm.reference`; a run loaded from a file has none: token ids).
 
     Returns:
         The Axes.
@@ -212,7 +213,7 @@ def plot_samples(run, i: int, ax=None, *, tokenizer: Any = None):
         raise ValueError(f"request i={i!r} out of range for a run of {n} requests (0-{n - 1}).") from None
     s = run.samples[i]
     if tokenizer is None:
-        tokenizer = _run_tokenizer(run)
+        tokenizer = getattr(run, "tokenizer", None)  # set by nv.generate / nv.reference
     ax = _axes(ax, plt)
     steps = np.arange(len(s))
     probs = s.probs.detach().float().cpu().numpy()
@@ -248,26 +249,6 @@ def _axes(ax, plt):
     if ax is None:
         _, ax = plt.subplots()
     return ax
-
-
-_TOKENIZERS: dict[str, Any] = {}
-
-
-def _run_tokenizer(run) -> Any:
-    """The tokenizer of the checkpoint ``run`` came from, if that is a local folder (cached); else None."""
-    import os
-
-    path = (getattr(run, "meta", None) or {}).get("model")
-    if not isinstance(path, str) or not os.path.isdir(path):
-        return None
-    if path not in _TOKENIZERS:
-        try:
-            from transformers import AutoTokenizer
-
-            _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
-        except Exception:  # noqa: BLE001 (no tokenizer files there: label with ids)
-            _TOKENIZERS[path] = None
-    return _TOKENIZERS[path]
 
 
 def _decode(tokenizer: Any, token_id: int) -> str:

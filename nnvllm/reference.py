@@ -175,6 +175,7 @@ def reference(
               sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             top_k=top_k, ignore_eos=ignore_eos),
               meta=dict(engine="transformers", model=str(path), dtype=dtype, tp=1, device=str(device)))
+    run.tokenizer = tok  # for labels (Run.plot); not saved with the run
     for i, prompt in enumerate(prompts):
         p_ids = tok.encode(prompt)
         if tokens is not None:

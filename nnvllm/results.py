@@ -81,8 +81,8 @@ class Run:
     def plot(self, i: int = 0, ax=None, *, tokenizer: Any = None):
         """Draw request ``i``'s sampled tokens and the top alternatives (:func:`nnvllm.plotting.plot_samples`).
 
-        Tokens are labelled with their text: through ``tokenizer``, or else the tokenizer of the
-        checkpoint the run came from (``meta["model"]``) when that is a folder on this machine.
+        Tokens are labelled with their text: through ``tokenizer``, or else the tokenizer the run
+        was made with (``run.tokenizer``; a run loaded from a file labels token ids).
         """
         from .plotting import plot_samples
 

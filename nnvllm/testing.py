@@ -1,4 +1,4 @@
-"""Tiny random checkpoints (GPT-2 and Llama shaped, tokenizer included) for tests that need other shapes.
+"""Tiny random checkpoints (GPT-2, Llama, Mistral, Qwen2, Qwen3; tokenizer included) for tests that need other shapes.
 
 Built locally from a config in a second or two; no model hub. They reuse the toy model's tokenizer.
 Head sizes are 32: vLLM's CPU attention refuses some head sizes (24 fails at engine start).
@@ -16,19 +16,21 @@ from pathlib import Path
 
 __all__ = ["tiny_checkpoint", "KINDS", "TF32"]
 
-KINDS = ("gpt2", "llama")
+KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
 
 
 def tiny_checkpoint(
     kind: str, out_dir: str | os.PathLike, *, n_layers: int = 3, d_model: int = 64, seed: int = 0
 ) -> str:
-    """Write a random ``kind`` ("gpt2" or "llama") checkpoint with a tokenizer to ``out_dir``.
+    """Write a random ``kind`` (one of :data:`KINDS`) checkpoint with a tokenizer to ``out_dir``.
 
-    The Llama one uses grouped-query attention (2 query heads, 1 KV head) and an untied LM head, so
-    tests see vLLM's ``(hidden, residual)`` block outputs and a separate unembedding.
+    The Llama-style ones use grouped-query attention (2 query heads, 1 KV head) and an untied LM
+    head, so tests see vLLM's ``(hidden, residual)`` block outputs and a separate unembedding;
+    Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorms, Mistral is Llama's layout under its own name.
     """
     import torch
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     from . import toy
 
@@ -46,13 +48,17 @@ def tiny_checkpoint(
         )
         model = GPT2LMHeadModel(cfg)
     else:
-        cfg = LlamaConfig(
+        names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
+        config_cls = getattr(transformers, f"{names}Config")
+        model_cls = getattr(transformers, f"{names}ForCausalLM")
+        extra = {"sliding_window": None} if kind in ("mistral", "qwen2", "qwen3") else {}
+        cfg = config_cls(
             vocab_size=len(tok), hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
             num_attention_heads=d_model // 32, num_key_value_heads=max(1, d_model // 64), head_dim=32, max_position_embeddings=128,
             tie_word_embeddings=False, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
-            rms_norm_eps=1e-5,
+            rms_norm_eps=1e-5, **extra,
         )
-        model = LlamaForCausalLM(cfg)
+        model = model_cls(cfg)
         # Random init gives near-zero norms' effect; scale weights up so layers differ visibly.
         with torch.no_grad():
             for p in model.parameters():

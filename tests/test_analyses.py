@@ -185,4 +185,5 @@ def test_patch_prints_no_engine_progress_bars(toy, capfd):
     with toy.trace("The capital of France is", temperature=0.0, max_tokens=1):  # plain traces keep vLLM's bars
         pass
     out, err = capfd.readouterr()
-    assert "Processed prompts" in out + err or torch.cuda.is_available()
+    # (an isolated engine, the GPU default, prints its bars into its own log)
+    assert "Processed prompts" in out + err or getattr(toy, "_nnvllm_isolated", False)

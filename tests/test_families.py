@@ -1,0 +1,69 @@
+"""Llama-layout families beyond Llama itself, each on a tiny random checkpoint, against transformers
+(issue 11, part): Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm).
+
+For each: greedy tokens equal transformers'; every site within 1e-3 at fp32; the lens's last layer
+is the engine's next-token distribution; one patch cell equals the same edit made with transformers
+hooks; and no two blocks' activation modules are one object (the GPT-2 ``mlp.act`` trap).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nnvllm as nv
+from conftest import engine_kwargs
+from nnvllm.testing import tiny_checkpoint
+from test_analyses import _hf_patched_diff
+
+FAMILIES = ["mistral", "qwen2", "qwen3"]
+PROMPTS = ["The capital of France is", "Paris is the capital of"]
+SITES = ("attn", "mlp", "mlp_in", "mlp_act")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def fam(request, tmp_path_factory, tp):
+    path = tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param) / "ckpt")
+    model = nv.load(path, **engine_kwargs(tp))
+    yield request.param, path, model
+    model.close()
+
+
+def test_family_captures_match_transformers(fam, fidelity):
+    kind, path, model = fam
+    assert model.arch.family == "llama"
+    run = nv.generate(model, PROMPTS, max_tokens=4, ignore_eos=True, sites=SITES)
+    hf = fidelity.reference(path, PROMPTS, max_tokens=4, ignore_eos=True, sites=SITES)
+    assert run.tokens == hf.value.tokens, kind
+    for i in range(len(PROMPTS)):
+        hf.check(run.resid[i], 1e-3, lambda r, i=i: r.resid[i], f"{kind} resid[{i}]")
+        hf.check(run.logits[i], 1e-3, lambda r, i=i: r.logits[i], f"{kind} logits[{i}]")
+        for s in SITES:
+            hf.check(run.sites[s][i], 1e-3, lambda r, s=s, i=i: r.sites[s][i], f"{kind} {s}[{i}]")
+
+
+def test_family_lens_last_layer_is_the_engines_distribution(fam):
+    kind, _, model = fam
+    lens = nv.logit_lens(model, PROMPTS[0], max_tokens=3, ignore_eos=True)
+    run = nv.generate(model, PROMPTS[0], max_tokens=3, ignore_eos=True, layers=None)
+    P = len(run.prompt_ids[0])
+    for t in range(3):
+        top = run.logits[0][t].float().softmax(-1).topk(5)
+        assert torch.equal(lens.top_ids[-1, P - 1 + t], top.indices), (kind, t)
+        assert (lens.top_probs[-1, P - 1 + t] - top.values).abs().max() < 1e-4, (kind, t)
+    assert lens.unembed.norm.kind == "rmsnorm"
+
+
+def test_family_patch_cell_equals_transformers_hooks(fam, fidelity):
+    kind, path, model = fam
+    clean, corrupt = "The capital of France is", "The capital of Italy is"
+    res = nv.patch(model, clean, corrupt, " Paris", " Rome", layers=[1], positions=[3], progress=False)
+    hf = fidelity.calibrated(lambda device: _hf_patched_diff(path, clean, corrupt, 1, 3, " Paris", " Rome", device))
+    hf.check(float(res.patched_diff[0, 0]), 1e-3, what=f"{kind} patched_diff(1, 3)")
+
+
+def test_family_blocks_share_no_activation_module(fam):
+    kind, _, model = fam
+    blocks = model._module.get_submodule(model.arch.blocks)
+    acts = [b.get_submodule("mlp.act_fn") for b in blocks]
+    assert len({id(a) for a in acts}) == len(acts), kind
