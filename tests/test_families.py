@@ -54,6 +54,7 @@ def test_family_lens_last_layer_is_the_engines_distribution(fam):
     assert lens.unembed.norm.kind == "rmsnorm"
 
 
+@pytest.mark.filterwarnings("ignore:the clean prompt does not prefer")  # random weights know no capitals
 def test_family_patch_cell_equals_transformers_hooks(fam, fidelity):
     kind, path, model = fam
     clean, corrupt = "The capital of France is", "The capital of Italy is"
