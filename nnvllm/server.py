@@ -71,6 +71,22 @@ def _dead(engine) -> bool:
     return engine is None or bool(getattr(engine, "errored", False))
 
 
+async def _rpc(engine, method: str, args: tuple = ()):
+    """``engine.collective_rpc`` that gives up when the engine core dies while it waits.
+
+    A worker RPC sent just as the EngineCore died waited for ever (seen in CI: a test killed the core
+    right after a restart and the next ``nv.generate`` hung instead of raising EngineDied).
+    """
+    task = asyncio.ensure_future(engine.collective_rpc(method, args=args))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if _dead(engine):
+            task.cancel()
+            raise RuntimeError(f"the engine core died during {method}")
+
+
 def _merge_saves(mediators: list, per_request: list[dict]) -> dict:
     """Merge per-invoke saves the way nnsight's in-process engine does (``VLLM._collect``).
 
@@ -206,18 +222,18 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         ids = [uuid.uuid4().hex for _ in req["prompts"]]
         async with capture_lock:
             try:
-                await engine.collective_rpc("nnvllm_arm", args=(req["spec"],))
+                await _rpc(engine, "nnvllm_arm", (req["spec"],))
                 try:
                     outputs = await asyncio.gather(*(one(p, i) for p, i in zip(req["prompts"], ids)))
                 except BaseException:
-                    await engine.collective_rpc("nnvllm_disarm")
+                    await _rpc(engine, "nnvllm_disarm")
                     raise
                 finally:
                     # What nnsight's engine does for every finished request: wind up the workers an
                     # installed edit (model.edit) ran on them. One call for all, not one per request.
-                    await engine.collective_rpc("collect_nnsight", args=(ids, ids))
+                    await _rpc(engine, "collect_nnsight", (ids, ids))
                 tokens = {o["request_id"]: o["token_ids"] for o in outputs}
-                handoff = (await engine.collective_rpc("nnvllm_collect", args=(tokens, None)))[0]
+                handoff = (await _rpc(engine, "nnvllm_collect", (tokens, None)))[0]
             except Exception as e:
                 if _dead(engine):
                     return _error(503, ENGINE_DIED)
@@ -228,7 +244,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         body = await request.json()
         engine = serve._ready().vllm_entrypoint
         try:
-            parts = await engine.collective_rpc("nnvllm_unembed", args=(body["final_norm"], body["unembed"]))
+            parts = await _rpc(engine, "nnvllm_unembed", (body["final_norm"], body["unembed"]))
         except Exception as e:
             if _dead(engine):
                 return _error(503, ENGINE_DIED)
