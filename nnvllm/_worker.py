@@ -563,7 +563,7 @@ class _ShmFiles:
     def __init__(self, device: Any = None) -> None:
         import concurrent.futures
 
-        self.pin = _handover_mode() == "pin" and device is not None and getattr(device, "type", None) == "cuda"
+        self.pin = _handover_mode() == "pin"  # made only for a CUDA engine (see _Capture)
         self.device = device
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
         self.ready: list = []  # futures of _ShmFile

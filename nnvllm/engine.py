@@ -69,7 +69,7 @@ def fit_gpu_memory(engine_args: dict[str, Any]) -> dict[str, Any]:
     of the engine's fullest GPU when less than 98% is free; the first engine on an empty GPU gets
     vLLM's default unchanged. Read through NVML, so the notebook process creates no CUDA context.
     """
-    if "gpu_memory_utilization" in engine_args:
+    if "gpu_memory_utilization" in engine_args:  # (no NVML call needed)
         return engine_args
     n = int(engine_args.get("tensor_parallel_size", 1) or 1) * int(engine_args.get("pipeline_parallel_size", 1) or 1)
     return _fit(engine_args, _free_gpu_share(n))
@@ -622,7 +622,7 @@ def engines() -> list[EngineInfo]:
 
     live = [m for m in (ref() for ref in list(_ENGINES.values())) if m is not None]
     isolated = [m for m in live if getattr(m, "_nnvllm_isolated", False)]
-    in_process = [m for m in live if not getattr(m, "_nnvllm_isolated", False) and m.vllm_entrypoint is not None]
+    in_process = _other_in_process_engines(None)
     isolated = [m for m in isolated if not m._closed and m._dead is None]
     out = []
     for m in isolated:

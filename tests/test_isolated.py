@@ -232,7 +232,7 @@ def test_engines_lists_isolated_and_in_process_engines_with_pid_and_memory(iso, 
 
 def test_sleep_is_refused_on_cpu_with_a_clear_message(iso):
     if torch.cuda.is_available():
-        pytest.skip("CPU behaviour")
+        pytest.skip("checks the refusal on CPU; on a GPU sleep mode exists (docs/engines.md has its H200 numbers)")
     for call in (iso.sleep, iso.wake):
         with pytest.raises(NotImplementedError, match="sleep mode needs a GPU"):
             call()
