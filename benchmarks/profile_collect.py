@@ -1,0 +1,96 @@
+"""Where the time of a big ``nv.collect`` goes: cProfile of the notebook process, per-chunk wall times.
+
+    python benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 --budget 8GB --out DIR
+
+Writes ``DIR/profile_collect.json`` (wall times, per-shard timings) and ``DIR/profile_collect.txt``
+(the 40 costliest functions by cumulative and by own time). On a GPU this also needs the engine's
+side: the worker timings of each chunk are in ``nnvllm.capture._LAST_TIMINGS`` after each generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from capture_gpu import build, prompts  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama1b")
+    ap.add_argument("--prompts", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--budget", default="8GB")
+    ap.add_argument("--root", default="/tmp/nnvllm-prof")
+    ap.add_argument("--logits", default="chosen")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import torch
+
+    import nnvllm as nv
+    from nnvllm import capture, store
+    from vllm import SamplingParams
+
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = build(args.shape, root)
+    ps = prompts(args.prompts)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = {"gpu_memory_utilization": 0.6, "cuda_graphs": True} if dev == "cuda" else {"max_model_len": 512}
+    model = nv.load(path, isolate=False, dtype="float16" if dev == "cuda" else "float32", **kw)
+    sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    model.llm.generate(ps[:64], sp, use_tqdm=False)
+    t = time.perf_counter()
+    model.llm.generate(ps, sp, use_tqdm=False)
+    bare = time.perf_counter() - t
+    chunks = []
+    real_gen, real_write = capture.generate, store.write_shard
+
+    def gen(*a, **k):
+        t0 = time.perf_counter()
+        r = real_gen(*a, **k)
+        chunks.append({"generate": time.perf_counter() - t0, "n": len(r), "worker": dict(capture._LAST_TIMINGS)})
+        return r
+
+    def write(*a, **k):
+        t0 = time.perf_counter()
+        r = real_write(*a, **k)
+        chunks[-1]["write_shard"] = time.perf_counter() - t0
+        chunks[-1]["bytes"] = r["bytes"]
+        return r
+
+    capture.generate, store.write_shard = gen, write
+    d = root / "collect"
+    shutil.rmtree(d, ignore_errors=True)
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    nv.collect(model, ps, d, max_tokens=args.tokens, ignore_eos=True, memory_budget=args.budget,
+               logits=args.logits, progress=False)
+    prof.disable()
+    dt = time.perf_counter() - t
+    s = io.StringIO()
+    st = pstats.Stats(prof, stream=s)
+    st.sort_stats("cumulative").print_stats(40)
+    st.sort_stats("tottime").print_stats(40)
+    (out / "profile_collect.txt").write_text(s.getvalue())
+    res = {"command": " ".join(sys.argv), "bare": bare, "collect": dt, "ratio": dt / bare, "chunks": chunks,
+           "bytes": sum(f.stat().st_size for f in d.iterdir())}
+    (out / "profile_collect.json").write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "chunks"}), flush=True)
+    shutil.rmtree(d, ignore_errors=True)
+    model.close()
+
+
+if __name__ == "__main__":
+    main()
