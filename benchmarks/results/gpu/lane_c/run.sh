@@ -5,8 +5,8 @@
 #   bash run.sh engine   GPU 0: the engine suite in five parallel pytest processes (test engines hold
 #                        ~2 GiB each); GPU 1 meanwhile: the five notebooks (their engines take most of
 #                        a GPU, so nothing else runs there).
-#   bash run.sh tp       The TP=2 stages on both GPUs.
-#   bash run.sh profile  Where a big nv.collect spends its time (GPU 1), and the disk's write speed.
+#   bash run.sh tp       The TP=2 stages on both GPUs, and at the same time `profile`:
+#   bash run.sh profile  where a big nv.collect spends its time (GPU 1), and the disk's write speed.
 set -u
 R="${OUT:-benchmarks/results/gpu/lane_c}"
 mkdir -p "$R"
@@ -17,8 +17,10 @@ case "${1:-engine}" in
       cp "$R/summary.txt" "$R/summary_engine.txt" ) &
     ( export CUDA_VISIBLE_DEVICES=1; OUT="$R/nb" STAGES=notebooks STAGE_TIMEOUT="${NB_TIMEOUT:-560}" bash scripts/test_gpu.sh > /dev/null 2>&1 )
     wait ;;
-  tp)
-    OUT="$R/tp" STAGES="tp_vllm tp_isolated" TP=2 STAGE_TIMEOUT="${TP_TIMEOUT:-260}" bash scripts/test_gpu.sh > /dev/null 2>&1 ;;
+  tp)  # the profile below runs at the same time on GPU 1 (the TP stages' toy engines are a light load)
+    bash "$0" profile > /dev/null 2>&1 &
+    OUT="$R/tp" STAGES="tp_vllm tp_isolated" TP=2 STAGE_TIMEOUT="${TP_TIMEOUT:-260}" bash scripts/test_gpu.sh > /dev/null 2>&1
+    wait; cat "$R/disk.txt"; tail -2 "$R/profile.log" ;;
   profile)
     { for d in /tmp /dev/shm; do
         echo "# dd 4 GiB to $d (conv=fsync)"; dd if=/dev/zero of=$d/nnvllm-dd bs=16M count=256 conv=fsync 2>&1 | tail -1
