@@ -383,7 +383,7 @@ class _Capture:
 
     def _samples(self, logits: torch.Tensor, k: int, reqs: dict, tokens: dict) -> dict[str, torch.Tensor]:
         """Sampling statistics for every step row at once (see :mod:`nnvllm.sampling`)."""
-        from .sampling import sampling_probs
+        from .sampling import chosen_logprobs, sampling_probs
 
         dev = logits.device
         chosen = torch.zeros(logits.shape[0], dtype=torch.long)
@@ -400,7 +400,7 @@ class _Capture:
         chosen = chosen.to(dev)
         temp, top_p, kk = self.sample["temperature"], self.sample["top_p"], self.sample["k"]
         kk = min(kk, logits.shape[-1])
-        probs_c, top_i, top_p_ = [], [], []
+        probs_c, top_i, top_p_, logp = [], [], [], []
         step = max(1, (256 << 20) // (logits.shape[-1] * 4))  # rows per chunk: ~256 MB of fp32 probs
         for a in range(0, logits.shape[0], step):
             p = sampling_probs(logits[a: a + step], temp, top_p)
@@ -408,7 +408,9 @@ class _Capture:
             probs_c.append(p.gather(-1, chosen[a: a + step, None])[:, 0])
             top_i.append(top.indices)
             top_p_.append(top.values)
-        return {"_probs": torch.cat(probs_c), "_top_ids": torch.cat(top_i), "_top_probs": torch.cat(top_p_)}
+            logp.append(chosen_logprobs(logits[a: a + step], chosen[a: a + step]))
+        return {"_probs": torch.cat(probs_c), "_top_ids": torch.cat(top_i), "_top_probs": torch.cat(top_p_),
+                "_logprobs": torch.cat(logp)}
 
 
 def _now(dev) -> float:

@@ -259,7 +259,8 @@ def generate(
         run.text.append(out["text"])
         lo, T = rec["loff"], len(toks)
         run.samples.append(Samples(ids=torch.as_tensor(toks, dtype=torch.long), probs=a["_probs"][lo:lo + T],
-                                   top_ids=a["_top_ids"][lo:lo + T], top_probs=a["_top_probs"][lo:lo + T]))
+                                   top_ids=a["_top_ids"][lo:lo + T], top_probs=a["_top_probs"][lo:lo + T],
+                                   logprobs=a["_logprobs"][lo:lo + T] if "_logprobs" in a else None))
         if logits:
             run.logits.append(a["_logits"][lo:lo + T])
         for s in wanted:

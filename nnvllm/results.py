@@ -32,12 +32,16 @@ class Samples:
             from (temperature and top-p applied; greedy gives the plain softmax).
         top_ids: ``[step, k]`` the k most likely ids under that distribution.
         top_probs: ``[step, k]`` their probabilities.
+        logprobs: ``[step]`` each sampled id's log-probability under the model itself
+            (``log_softmax`` of the pre-sampling logits: no temperature, no top-p), or None where it
+            was not computed (runs saved before it existed, samples built by hand).
     """
 
     ids: Tensor
     probs: Tensor
     top_ids: Tensor
     top_probs: Tensor
+    logprobs: Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -158,8 +162,9 @@ class Run:
                 tensors[f"sites/{name}/{i}"] = per[i]
             if self.logits is not None:
                 tensors[f"logits/{i}"] = self.logits[i]
-            for f in _SAMPLE_FIELDS:
-                tensors[f"samples/{i}/{f}"] = getattr(self.samples[i], f)
+            for f in _SAMPLE_FIELDS + _OPTIONAL_SAMPLE_FIELDS:
+                if getattr(self.samples[i], f) is not None:
+                    tensors[f"samples/{i}/{f}"] = getattr(self.samples[i], f)
         info = {
             "n": n, "prompts": self.prompts, "prompt_ids": self.prompt_ids, "tokens": self.tokens,
             "text": self.text, "layers": self.layers, "sampling": self.sampling, "meta": self.meta,
@@ -183,7 +188,9 @@ class Run:
                 prompts=info["prompts"], prompt_ids=info["prompt_ids"], tokens=info["tokens"],
                 text=info["text"],
                 logits=[tensors[f"logits/{i}"] for i in range(n)] if info["logits"] else None,
-                samples=[Samples(**{f: tensors[f"samples/{i}/{f}"] for f in _SAMPLE_FIELDS}) for i in range(n)],
+                samples=[Samples(**{f: tensors[f"samples/{i}/{f}"] for f in _SAMPLE_FIELDS},
+                                 **{f: tensors.get(f"samples/{i}/{f}") for f in _OPTIONAL_SAMPLE_FIELDS})
+                         for i in range(n)],
                 resid=[tensors[f"resid/{i}"] for i in range(n)] if info["resid"] else None,
                 layers=info["layers"],
                 sites={s: [tensors[f"sites/{s}/{i}"] for i in range(n)] for s in info["sites"]},
@@ -200,6 +207,7 @@ class Run:
 
 RUN_FORMAT = "nnvllm.run/2"
 _SAMPLE_FIELDS = ("ids", "probs", "top_ids", "top_probs")
+_OPTIONAL_SAMPLE_FIELDS = ("logprobs",)
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit on the JSON header
 
 
@@ -233,70 +241,129 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _packed(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Contiguous CPU tensors that share no memory (what safetensors accepts).
-
-    Views into one shared buffer are copied one at a time by ``.contiguous()``; a tensor that is
-    already contiguous and overlaps one seen before (the same tensor twice) is cloned.
-    """
-    out, seen = {}, set()
-    for k, t in tensors.items():
-        t = t.detach().cpu().contiguous()
-        span = (t.untyped_storage().data_ptr(), t.data_ptr(), t.numel() * t.element_size())
-        if t.numel() and span in seen:
-            t = t.clone()
-        seen.add(span)
-        out[k] = t
-    return out
-
-
 def save_tensors(tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str], *, fmt: str,
                  tensor_sha: bool = True) -> str:
     """Atomically write ``tensors`` and ``metadata`` (+ ``format``, and ``sha256`` of the tensors unless
-    ``tensor_sha=False``) to ``path``; return the sha256 of the file written.
+    ``tensor_sha=False``) to ``path`` as a safetensors file; return the sha256 of the file written.
 
-    The file's digest is computed from the bytes in memory in the file's order (its header read back,
-    then each tensor by its offset), not by reading the file again: one pass over the data instead of
-    two (a dataset shard is gigabytes).
+    Views are written piece by piece (see :func:`write_safetensors`), never copied whole.
     """
-    import safetensors.torch
-
-    path = Path(path)
-    tensors = _packed(tensors)
     meta = {**metadata, "format": fmt}
     if tensor_sha:
         meta["sha256"] = tensor_digest(tensors)
+    return write_safetensors(path, {k: Pieces.of(t) for k, t in tensors.items()}, meta)
+
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+_WRITE_BLOCK = 64 << 20  # bytes per write() and per hash update
+
+
+@dataclass
+class Pieces:
+    """One tensor of a safetensors file given as contiguous pieces whose bytes, one after another,
+    are its row-major data: a concatenation or a strided view is written without first being copied
+    into one new tensor."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    parts: list[Tensor]
+
+    @classmethod
+    def of(cls, t: Tensor) -> Pieces:
+        return cls(t.dtype, tuple(t.shape), _contiguous_parts(t))
+
+    @classmethod
+    def cat(cls, parts: list[Tensor], dim: int) -> Pieces:
+        """``torch.cat(parts, dim)`` as pieces: for ``dim=1``, layer ``j`` of every part, then ``j + 1``."""
+        if not parts:
+            return cls(torch.float32, (0,), [])
+        shape = list(parts[0].shape)
+        shape[dim] = sum(int(p.shape[dim]) for p in parts)
+        if dim == 0:
+            out = [q for p in parts for q in _contiguous_parts(p)]
+        elif dim == 1:
+            out = [q for j in range(shape[0]) for p in parts for q in _contiguous_parts(p[j])]
+        else:
+            out = _contiguous_parts(torch.cat(parts, dim=dim))
+        return cls(parts[0].dtype, tuple(shape), out)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parts)
+
+
+def _contiguous_parts(t: Tensor) -> list[Tensor]:
+    """``t``'s row-major bytes as contiguous CPU tensors: itself, its rows (a slice along a later
+    axis is contiguous per row), or else one contiguous copy."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_contiguous():
+        return [t]
+    if 1 < t.ndim and t.shape[0] <= 4096 and t[0].is_contiguous():
+        return [t[j] for j in range(t.shape[0])]
+    return [t.contiguous()]
+
+
+def _byte_views(parts: list[Tensor]):
+    for t in parts:
+        if not t.numel():
+            continue
+        b = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        for a in range(0, len(b), _WRITE_BLOCK):
+            yield b[a:a + _WRITE_BLOCK]
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, Pieces], metadata: dict[str, str]) -> str:
+    """Atomically write a safetensors file from :class:`Pieces`; return the file's sha256.
+
+    The bytes go from the pieces straight to the file (no intermediate buffer), and the sha256 is
+    computed from the same memory in a second thread while they are written: one read of the data,
+    two cores. The layout is safetensors' (8-byte little-endian header size, a JSON header padded
+    with spaces to a multiple of 8, then the tensors back to back), so any safetensors reader opens it.
+    """
+    import concurrent.futures
+
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    off = 0
+    for name, p in tensors.items():
+        if p.dtype not in _ST_DTYPES:
+            raise TypeError(f"{name}: dtype {p.dtype} cannot be written to safetensors")
+        n = p.nbytes
+        want = int(np.prod(p.shape)) * torch.empty((), dtype=p.dtype).element_size() if p.shape else \
+            torch.empty((), dtype=p.dtype).element_size()
+        if n != want:
+            raise ValueError(f"{name}: the pieces hold {n} bytes, shape {list(p.shape)} of {p.dtype} needs {want}")
+        header[name] = {"dtype": _ST_DTYPES[p.dtype], "shape": list(p.shape), "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    head = struct.pack("<Q", len(raw)) + raw
     digest: list[str] = []
 
+    def hash_all() -> str:
+        h = hashlib.sha256(head)
+        for p in tensors.values():
+            for b in _byte_views(p.parts):
+                h.update(b)
+        return h.hexdigest()
+
     def write(tmp: Path) -> None:
-        safetensors.torch.save_file(tensors, tmp, metadata=meta)
-        digest.append(_file_digest_from(tmp, tensors))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(hash_all)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(head)
+                    for p in tensors.values():
+                        for b in _byte_views(p.parts):
+                            f.write(b)
+            finally:
+                digest.append(fut.result())
 
-    atomic_write(path, write)
+    atomic_write(Path(path), write)
     return digest[0]
-
-
-def _file_digest_from(path: Path, tensors: dict[str, Tensor]) -> str:
-    """sha256 of the safetensors file at ``path`` that holds ``tensors``, hashing the data from memory."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = f.read(n)
-    h.update(n.to_bytes(8, "little"))
-    h.update(header)
-    entries = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
-    end = 0
-    for k, e in sorted(entries.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-        a, b = e["data_offsets"]
-        t = tensors[k]
-        if a != end or b - a != t.numel() * t.element_size():
-            return file_digest(path)  # a layout this reading does not expect: hash the file itself
-        if t.numel():
-            h.update(t.reshape(-1).view(torch.uint8).numpy())
-        end = b
-    if 8 + n + end != path.stat().st_size:
-        return file_digest(path)
-    return h.hexdigest()
 
 
 def atomic_write(path: Path, write) -> None:

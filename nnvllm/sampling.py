@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .results import Samples
 
-__all__ = ["sampling_probs", "sample_stats"]
+__all__ = ["sampling_probs", "sample_stats", "chosen_logprobs"]
 
 
 def sampling_probs(logits: Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> Tensor:
@@ -59,4 +59,10 @@ def sample_stats(
         probs=probs.gather(-1, ids[:, None])[:, 0] if n else torch.zeros(0),
         top_ids=top.indices,
         top_probs=top.values,
+        logprobs=chosen_logprobs(logits[:n], ids) if n else torch.zeros(0),
     )
+
+
+def chosen_logprobs(logits: Tensor, ids: Tensor) -> Tensor:
+    """``[step]`` the log-probability of ``ids[t]`` under ``log_softmax(logits[t])`` (the model's own)."""
+    return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, None].to(logits.device).long())[:, 0]

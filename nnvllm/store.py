@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .results import Run, atomic_write, file_digest, save_tensors
+from .results import Pieces, Run, atomic_write, file_digest, write_safetensors
 
 __all__ = ["Dataset", "Record", "collect", "open", "parse_bytes", "write_shard"]
 
@@ -93,7 +93,7 @@ def write_shard(run: Run, path: str | Path, request_ids: Sequence[int], logits_p
     """Write ``run`` as one shard file at ``path`` (atomically) and return its index entry.
 
     Args:
-        run: a :class:`~nnvllm.results.Run` (its tensors may be views; they are copied once).
+        run: a :class:`~nnvllm.results.Run` (its tensors may be views; they are written from their memory).
         path: the shard file to write.
         request_ids: the dataset-wide index of each of ``run``'s requests.
         logits_policy: what to keep per generated step; see :func:`collect`.
@@ -110,9 +110,11 @@ def write_shard(run: Run, path: str | Path, request_ids: Sequence[int], logits_p
         raise ValueError(f"request_ids has {len(ids)} entries for a run of {n} requests")
     positions = [run.positions(i) for i in range(n)]
     steps = [len(run.samples[i]) for i in range(n)]
-    tensors: dict[str, Tensor] = {
-        "offsets": _offsets(positions),
-        "ids": torch.tensor([t for i in range(n) for t in run.sequence(i)], dtype=torch.int64),
+    # Every tensor is written from the run's own memory (views into the engine's hand-off buffers),
+    # piece by piece: no concatenated copy is made (see results.write_safetensors).
+    tensors: dict[str, Pieces] = {
+        "offsets": Pieces.of(_offsets(positions)),
+        "ids": Pieces.of(torch.tensor([t for i in range(n) for t in run.sequence(i)], dtype=torch.int64)),
     }
     acts = {"resid": run.resid} if run.resid is not None else {}
     acts.update({f"sites/{s}": per for s, per in run.sites.items()})
@@ -121,29 +123,29 @@ def write_shard(run: Run, path: str | Path, request_ids: Sequence[int], logits_p
             if t.shape[1] != positions[i]:
                 raise ValueError(f"{key}[{i}] has {t.shape[1]} positions; prompt + fed-back tokens make "
                                  f"{positions[i]}")
-        tensors[key] = _cat(list(per), dim=1)
+        tensors[key] = Pieces.cat(list(per), dim=1)
     if policy != "none":
-        tensors["step_offsets"] = _offsets(steps)
+        tensors["step_offsets"] = Pieces.of(_offsets(steps))
     if policy == "chosen":
         lp = []
         for i, s in enumerate(run.samples):
-            if run.logits is not None:  # the model's log-probability, whatever the sampler did
+            if s.logprobs is not None:  # the model's log-probability, computed by the engine
+                lp.append(s.logprobs.float())
+            elif run.logits is not None:  # the same, from the logits
                 lp.append(torch.log_softmax(run.logits[i].float(), -1).gather(-1, s.ids[:, None].long())[:, 0])
             else:  # under the sampling distribution (temperature, top-p): only the same when greedy
                 lp.append(s.probs.float().log())
-        tensors["logprobs"] = _cat(lp, dim=0)
+        tensors["logprobs"] = Pieces.of(_cat(lp, dim=0))
     elif policy == "top_k":
-        tensors["top_ids"] = _cat([s.top_ids for s in run.samples], dim=0)
-        tensors["top_probs"] = _cat([s.top_probs for s in run.samples], dim=0)
+        tensors["top_ids"] = Pieces.cat([s.top_ids for s in run.samples], dim=0)
+        tensors["top_probs"] = Pieces.cat([s.top_probs for s in run.samples], dim=0)
     elif policy == "full":
         if run.logits is None:
             raise ValueError("logits_policy='full' needs a run with logits (nv.generate(..., logits=True))")
-        tensors["logits"] = _cat(list(run.logits), dim=0)
+        tensors["logits"] = Pieces.cat(list(run.logits), dim=0)
     meta = {"requests": json.dumps(ids), "logits": policy, "layers": json.dumps(run.layers),
-            "sites": json.dumps(list(acts))}
-    # The index keeps the file's sha256 (Dataset.verify); a second digest of the tensors in the header
-    # would be another pass over gigabytes.
-    sha = save_tensors(tensors, path, meta, fmt=SHARD_FORMAT, tensor_sha=False)
+            "sites": json.dumps(list(acts)), "format": SHARD_FORMAT}
+    sha = write_safetensors(path, tensors, meta)
     records = [{"prompt": run.prompts[i], "prompt_ids": list(run.prompt_ids[i]), "tokens": list(run.tokens[i]),
                 "text": run.text[i], "positions": positions[i], "steps": steps[i]} for i in range(n)]
     return {"file": path.name, "requests": ids, "sha256": sha, "bytes": path.stat().st_size,

@@ -47,6 +47,7 @@ def test_every_quantity_matches_transformers(engine, fidelity):
             hf.check(run.sites[s][i], TOL, lambda r, s=s, i=i: r.sites[s][i], f"{s}[{i}]")
         assert torch.equal(run.samples[i].ids, torch.tensor(run.tokens[i]))
         hf.check(run.samples[i].probs, 1e-4, lambda r, i=i: r.samples[i].probs, f"samples[{i}].probs")
+        hf.check(run.samples[i].logprobs, TOL, lambda r, i=i: r.samples[i].logprobs, f"samples[{i}].logprobs")
 
 
 def test_blocks_differ_per_layer_for_shared_activation_module(engine, fidelity):
@@ -83,6 +84,9 @@ def test_sampling_is_reproducible_with_seed_and_probs_are_the_sampling_distribut
         assert (s.probs > 0).all()  # every draw lies inside the top-p set
         assert torch.allclose(probs.sum(-1), torch.ones(len(s)), atol=1e-5)
         assert (s.top_probs[:, :-1] >= s.top_probs[:, 1:]).all()
+        # logprobs: the model's own, whatever the sampler did (no temperature, no top-p)
+        want = torch.log_softmax(a.logits[i].float(), -1).gather(-1, s.ids[:, None])[:, 0]
+        assert torch.allclose(s.logprobs, want, atol=1e-5)
 
 
 def test_run_save_load_and_frame(engine, tmp_path):
@@ -92,6 +96,7 @@ def test_run_save_load_and_frame(engine, tmp_path):
     back = nv.Run.load(tmp_path / "run.pt")
     assert back.tokens == run.tokens and torch.equal(back.resid[1], run.resid[1])
     assert torch.equal(back.sites["mlp"][0], run.sites["mlp"][0])
+    assert run.samples[1].logprobs is not None and torch.equal(back.samples[1].logprobs, run.samples[1].logprobs)
     df = run.to_frame()
     assert len(df) == sum(len(t) for t in run.tokens)
     assert set(df.columns) >= {"request", "step", "token_id", "prob", "top1_id", "top1_prob", "logit"}

@@ -169,19 +169,19 @@ def test_other_safetensors_file_is_refused(tmp_path):
 
 
 def test_failed_save_keeps_the_old_file(tmp_path, monkeypatch):
-    import safetensors.torch
+    from nnvllm import results
 
     path = tmp_path / "run.safetensors"
     old = make_run(seed=1)
     old.save(path)
     before = path.read_bytes()
+    real = results._byte_views
 
-    def dies_midway(tensors, filename, metadata=None):
-        with open(filename, "wb") as f:
-            f.write(b"half a file")
+    def dies_midway(parts):
+        yield from list(real(parts))[:1]  # some bytes reach the file
         raise KeyboardInterrupt  # as if killed (Ctrl-C) during the write
 
-    monkeypatch.setattr(safetensors.torch, "save_file", dies_midway)
+    monkeypatch.setattr(results, "_byte_views", dies_midway)
     with pytest.raises(KeyboardInterrupt):
         make_run(seed=2).save(path)
     assert path.read_bytes() == before
@@ -200,3 +200,41 @@ def test_run_repr_is_short_whatever_its_size():
               samples=[], resid=[big] * 3, layers=list(range(12)), sites={}, meta={"engine": "vllm"})
     text = repr(run)
     assert len(text) < 200 and "3 requests" in text and "layers 0..11 (12)" in text
+
+
+def test_write_safetensors_from_pieces_is_a_plain_safetensors_file(tmp_path):
+    """The streaming writer: views and concatenations written piece by piece read back (with the
+    safetensors library itself) as the tensors they stand for, and the digest is the file's."""
+    import hashlib
+
+    import safetensors.torch
+    import torch
+
+    from nnvllm.results import Pieces, write_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randn(3, 50, 8, generator=g).to(torch.bfloat16)  # like the engine's arena
+    tr = torch.randn(4, 6, generator=g).t()
+    views = [buf[:, 0:7], buf[:, 7:20], buf[:, 30:31]]  # per-request slices: not contiguous
+    assert not views[0].is_contiguous()
+    t = {
+        "cat1": Pieces.cat(views, dim=1),
+        "cat0": Pieces.cat([torch.arange(5), torch.arange(3) * 7], dim=0),
+        "view": Pieces.of(buf[:, 3:9]),
+        "transposed": Pieces.of(tr),
+        "flags": Pieces.of(torch.tensor([True, False, True])),
+        "half": Pieces.of(torch.randn(2, 3, generator=g).half()),
+        "empty": Pieces.of(torch.zeros(0, 4)),
+        "scalar": Pieces.of(torch.tensor(2.5)),
+    }
+    sha = write_safetensors(tmp_path / "x.safetensors", t, {"format": "test", "k": "v"})
+    assert sha == hashlib.sha256((tmp_path / "x.safetensors").read_bytes()).hexdigest()
+    got = safetensors.torch.load_file(str(tmp_path / "x.safetensors"))
+    want = {"cat1": torch.cat(views, dim=1), "cat0": torch.tensor([0, 1, 2, 3, 4, 0, 7, 14]),
+            "view": buf[:, 3:9], "transposed": tr, "flags": torch.tensor([True, False, True]),
+            "empty": torch.zeros(0, 4), "scalar": torch.tensor(2.5)}
+    for k, w in want.items():
+        assert got[k].dtype == w.dtype and torch.equal(got[k], w), k
+    with pytest.raises(ValueError, match="pieces hold"):
+        write_safetensors(tmp_path / "y", {"bad": Pieces(torch.float32, (3,), [torch.zeros(2)])}, {})
+    assert not (tmp_path / "y").exists()
