@@ -232,10 +232,12 @@ class _Capture:
                     w *= t.tp
                 a[s] = torch.empty(len(self.layers), rows_n + 1, w, dtype=t.dtype, device=t.device)
             a["_logits"] = torch.zeros(steps_n + 1, self._vocab(), dtype=self.logits_dtype, device=t.device)
-            if self.shm is not None:
-                for x in a.values():
-                    self.shm.prepare(x[:, :rows_n].numel() * x.element_size() if x.dim() == 3
-                                     else steps_n * x.shape[1] * x.element_size())
+            if self.shm is not None:  # the files the hand-off will fill (logits only when asked for)
+                for name, x in a.items():
+                    if name != "_logits":
+                        self.shm.prepare(x[:, :rows_n].numel() * x.element_size())
+                    elif self.logits:
+                        self.shm.prepare(steps_n * x.shape[1] * x.element_size())
             self.arenas.append(a)
             self.used_rows, self.used_steps = 0, 0
             self.free_rows, self.free_steps = rows_n, steps_n

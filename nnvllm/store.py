@@ -174,14 +174,19 @@ def _prompt_tokens(model, prompts: list[str]) -> int:
         return max(len(p) // 2 + 1 for p in sample)
 
 
-def _request_bytes(*, prompt_tokens: int, max_tokens: int, pos_bytes: int, d_vocab: int) -> int:
-    """Bytes one request holds while its chunk is written.
+# Chunks held at once: the one the engine hands over and up to WRITERS being written.
+WRITERS = 2
+IN_FLIGHT = WRITERS + 1
 
-    ``pos_bytes`` is one position's activations over all captured layers and sites. They are held
-    twice (the Run, then the shard's concatenated copy); the ``[step, d_vocab]`` fp32 logits once
-    (the engine computes them for the samples whatever the policy).
+
+def _request_bytes(*, prompt_tokens: int, max_tokens: int, pos_bytes: int, d_vocab: int) -> int:
+    """Bytes one request holds in this process until its shard is written.
+
+    ``pos_bytes`` is one position's activations over all captured layers and sites (a shard is
+    written straight from them, no copy); ``d_vocab`` > 0 adds ``[step, d_vocab]`` logits (policy
+    "full"; 4 bytes a value, an upper bound for a half-precision engine).
     """
-    return 2 * (prompt_tokens + max_tokens) * pos_bytes + 4 * max_tokens * d_vocab
+    return (prompt_tokens + max_tokens) * pos_bytes + 4 * max_tokens * d_vocab
 
 
 def _estimate_pos_bytes(model, n_layers: int, sites: Sequence[str]) -> int:
@@ -266,13 +271,18 @@ def collect(
       sampling distribution (as :class:`~nnvllm.results.Samples` reports them).
     - ``"full"``: ``logits [step, d_vocab]`` (fp32; large: ``4 * d_vocab`` bytes a step).
 
-    Memory budget: unless ``batch_size`` is given, a chunk holds as many prompts as fit in
-    ``memory_budget`` (an int of bytes or ``"4GB"``, ``"512MB"``, ``"2GiB"``) by a rough estimate of
-    a request's bytes: ``2 * (prompt_tokens + max_tokens) * layers * sum(widths) * 4`` (the Run and
-    the shard's copy of its activations, 4 bytes a value) ``+ 4 * max_tokens * d_vocab`` (logits),
-    with ``prompt_tokens`` the longest of the first 1000 prompts. After the first chunk the real
-    widths and dtype replace the guesses. At least one prompt per chunk. The engine's own transient
-    buffers come on top: leave headroom.
+    Memory budget: unless ``batch_size`` is given, a chunk holds as many prompts as fit in a third
+    of ``memory_budget`` (an int of bytes or ``"4GB"``, ``"512MB"``, ``"2GiB"``): while the engine
+    generates one chunk, the two before it may still be being written. A request is estimated at
+    ``(prompt_tokens + max_tokens) * layers * sum(widths) * 4`` bytes (4 bytes a value until the
+    first chunk shows the real widths and dtype; a shard is written straight from the run's memory)
+    ``+ 4 * max_tokens * d_vocab`` with ``logits="full"``, ``prompt_tokens`` the longest of the first
+    1000 prompts. At least one prompt per chunk. The engine's own transient buffers come on top:
+    leave headroom.
+
+    Speed: each chunk's shard is written (and its sha256 taken) in background threads while the
+    engine generates the next chunk, so a collection costs about the generation or the disk,
+    whichever is slower, not their sum.
 
     Resume: ``out`` keeps every finished shard and an index of them. Calling ``collect`` again with
     the same prompts and settings skips the requests already written (``batch_size`` and
@@ -347,9 +357,8 @@ def collect(
 
     done = {r for s in index["shards"] for r in s["requests"]}
     todo = [i for i in range(len(prompts)) if i not in done]
-    # "chosen" is computed from the logits (the model's log-probs), so it asks for them like "full";
-    # they are reduced to one number a step before writing.
-    want_logits = policy in ("chosen", "full")
+    # "chosen" comes from the engine (Samples.logprobs): only "full" ships the logits themselves.
+    want_logits = policy == "full"
     d_vocab = _config_int(model, "vocab_size") or 2**17
     prompt_tokens = _prompt_tokens(model, prompts) if todo and batch_size is None else 0
     pos_bytes = None
@@ -359,10 +368,27 @@ def collect(
             return batch_size
         n_layers = model.n_layers if layers == "all" else len(_layers_setting(layers) or [])
         pb = (pos_bytes or _estimate_pos_bytes(model, n_layers, sites)) if n_layers else 0
-        each = _request_bytes(prompt_tokens=prompt_tokens, max_tokens=max_tokens, pos_bytes=pb, d_vocab=d_vocab)
-        return max(1, budget // max(each, 1))
+        each = _request_bytes(prompt_tokens=prompt_tokens, max_tokens=max_tokens, pos_bytes=pb,
+                              d_vocab=d_vocab if want_logits else 0)
+        return max(1, budget // (IN_FLIGHT * max(each, 1)))
 
+    # The engine generates chunk k + 1 while chunk k is written: shards are written in background
+    # threads (at most WRITERS at once; the writer releases the GIL), and the index lists a shard
+    # once its file is complete, in order.
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(WRITERS, thread_name_prefix="nnvllm-shard")
+    pending: list[tuple[concurrent.futures.Future, int]] = []
+    next_shard = 1 + max((int(m.group(1)) for e in index["shards"]
+                          if (m := re.fullmatch(r"shard-(\d+)\.safetensors", e["file"]))), default=-1)
     bar = tqdm(total=len(prompts), initial=len(done), disable=not progress, unit="req", desc="collect")
+
+    def finish_oldest() -> None:
+        fut, n = pending.pop(0)
+        index["shards"].append(fut.result())
+        _write_index(out, index)
+        bar.update(n)
+
     try:
         start = 0
         while start < len(todo):
@@ -370,21 +396,31 @@ def collect(
             run = generate(model, [prompts[i] for i in ids], max_tokens=max_tokens, temperature=temperature,
                            top_p=top_p, seed=seed, layers=layers, logits=want_logits, top_k=top_k,
                            sites=sites, ignore_eos=ignore_eos)
-            name = f"shard-{len(index['shards']):05d}.safetensors"
-            entry = write_shard(run, out / name, ids, policy)
             if index["layers"] is None:
                 acts = ({"resid": run.resid} if run.resid is not None else {}) | run.sites
                 index.update(layers=run.layers, meta=run.meta,
                              widths={s: int(p[0].shape[-1]) for s, p in acts.items()},
                              dtype=str(next(iter(acts.values()))[0].dtype).removeprefix("torch.") if acts else None)
-            index["shards"].append(entry)
-            _write_index(out, index)
             pos_bytes = _pos_bytes(run) or pos_bytes
             prompt_tokens = max(prompt_tokens, *(len(p) for p in run.prompt_ids))
-            del run
-            bar.update(len(ids))
+            while len(pending) >= WRITERS:
+                finish_oldest()
+            name = f"shard-{next_shard:05d}.safetensors"  # never a listed shard's name, even after a gap
+            next_shard += 1
+            pending.append((pool.submit(write_shard, run, out / name, ids, policy), len(ids)))
+            del run  # the writer holds it until its shard is written
             start += len(ids)
+        while pending:
+            finish_oldest()
     finally:
+        # On an error or an interrupt: every shard already being written is finished and indexed
+        # (an interrupted collect keeps them), then the error goes on.
+        while pending:
+            try:
+                finish_oldest()
+            except BaseException:  # noqa: BLE001  a failed write: its shard is simply not listed
+                pass
+        pool.shutdown(wait=True)
         bar.close()
     return Dataset(out)
 

@@ -37,7 +37,8 @@ def fake_run(prompts, max_tokens=3, layers="all", sites=(), logits=True, top_k=3
         pr = x.softmax(-1)
         top = pr.topk(top_k, -1)
         ids = top.indices[:, 0].clone()
-        samples.append(Samples(ids, pr.gather(-1, ids[:, None])[:, 0], top.indices, top.values))
+        samples.append(Samples(ids, pr.gather(-1, ids[:, None])[:, 0], top.indices, top.values,
+                               logprobs=torch.log_softmax(x, -1).gather(-1, ids[:, None])[:, 0]))
     n_pos = [len(a) + s - 1 for a, s in zip(prompt_ids, steps)]
 
     def acts(width, salt):
@@ -128,7 +129,9 @@ def test_write_shard_refuses_what_it_cannot_write(tmp_path):
         store.write_shard(run, tmp_path / "s", [0], "none")
     with pytest.raises(ValueError, match="logits='some'"):
         store.write_shard(run, tmp_path / "s", [0, 1], "some")
-    # Without logits, "chosen" falls back to the sampler's probabilities.
+    # With neither the engine's logprobs nor logits, "chosen" falls back to the sampler's probabilities.
+    for s in run.samples:
+        s.logprobs = None
     store.write_shard(run, tmp_path / "s", [0, 1], "chosen")
     with safe_open(str(tmp_path / "s"), framework="pt") as f:
         assert torch.equal(f.get_tensor("logprobs"), torch.cat([s.probs.log() for s in run.samples]))
@@ -194,14 +197,19 @@ def test_verify_finds_damaged_and_missing_shards(tmp_path, fake):
 def test_memory_budget_sets_the_chunk_size(tmp_path, fake):
     model, calls = fake
     model.tokenizer = lambda texts: {"input_ids": [[0] * len(t) for t in texts]}  # fake_run's: a token a char
-    # 2 * (longest prompt 17 tokens + 1 for BOS + 4 steps) * (3 layers * 8 * 4 B) + 4 steps * 13 * 4 B
-    each = 2 * (17 + 1 + 4) * 3 * 8 * 4 + 4 * 13 * 4
-    store.collect(model, PROMPTS, tmp_path / "a", max_tokens=4, memory_budget=3 * each, logits="none",
+    # (longest prompt 17 tokens + 1 for BOS + 4 steps) * (3 layers * 8 * 4 B); three chunks in flight
+    each = (17 + 1 + 4) * 3 * 8 * 4
+    assert store.IN_FLIGHT == 3
+    store.collect(model, PROMPTS, tmp_path / "a", max_tokens=4, memory_budget=3 * 3 * each, logits="none",
                   progress=False)
     assert [len(c) for c in calls] == [3, 3, 1]
     calls.clear()
-    store.collect(model, PROMPTS, tmp_path / "a2", max_tokens=4, memory_budget=3 * each - 1, progress=False)
+    store.collect(model, PROMPTS, tmp_path / "a2", max_tokens=4, memory_budget=3 * 3 * each - 1, progress=False)
     assert [len(c) for c in calls] == [2, 2, 2, 1]
+    calls.clear()  # logits="full" adds 4 steps * 13 * 4 B a request
+    store.collect(model, PROMPTS, tmp_path / "a3", max_tokens=4, memory_budget=3 * 3 * (each + 4 * 13 * 4),
+                  logits="full", progress=False)
+    assert [len(c) for c in calls] == [3, 3, 1]
     calls.clear()
     model.tokenizer = None  # chars / 2 + 1 = 9 tokens: a larger first chunk, then the measured widths
     store.collect(model, PROMPTS, tmp_path / "b", max_tokens=4, memory_budget="1KB", progress=False)
@@ -226,6 +234,52 @@ def test_interrupted_collect_resumes(tmp_path, fake):
     calls.clear()
     store.collect(model, PROMPTS, tmp_path / "ds", max_tokens=3, progress=False)  # complete: nothing to do
     assert calls == []
+
+
+def test_collect_writes_while_the_engine_generates(tmp_path, fake, monkeypatch):
+    """Shard k is written while chunk k + 1 is generated; a failed write raises, keeps the shards
+    before it, and the collection resumes."""
+    import threading
+
+    model, calls = fake
+    real = store.write_shard
+    next_generate_started = threading.Event()
+    overlapped = []
+
+    def slow_first_write(run, path, ids, policy):
+        if path.name == "shard-00000.safetensors":  # waits for the engine to start on chunk 1
+            overlapped.append(next_generate_started.wait(timeout=20))
+        return real(run, path, ids, policy)
+
+    fake_generate = nnvllm.capture.generate
+
+    def generate(model, prompts, **kw):
+        if calls:
+            next_generate_started.set()
+        return fake_generate(model, prompts, **kw)
+
+    monkeypatch.setattr(store, "write_shard", slow_first_write)
+    monkeypatch.setattr(nnvllm.capture, "generate", generate)
+    ds = store.collect(model, PROMPTS, tmp_path / "a", max_tokens=3, batch_size=2, progress=False)
+    assert overlapped == [True] and len(ds) == 7 and ds.complete
+    assert [s["file"] for s in ds._index["shards"]] == [f"shard-0000{k}.safetensors" for k in range(4)]
+    ds.verify()
+
+    def second_write_fails(run, path, ids, policy):
+        if path.name == "shard-00001.safetensors":
+            raise OSError("disk full")
+        return real(run, path, ids, policy)
+
+    monkeypatch.setattr(store, "write_shard", second_write_fails)
+    with pytest.raises(OSError, match="disk full"):
+        store.collect(model, PROMPTS, tmp_path / "b", max_tokens=3, batch_size=2, progress=False)
+    part = store.open(tmp_path / "b")
+    assert len(part) >= 2 and 0 in part._where and 2 not in part._where
+    monkeypatch.setattr(store, "write_shard", real)
+    ds = store.collect(model, PROMPTS, tmp_path / "b", max_tokens=3, batch_size=2, progress=False)
+    whole = fake_run(PROMPTS, max_tokens=3)
+    assert ds.complete and all(torch.equal(ds[i].resid, whole.resid[i]) for i in range(7))
+    ds.verify()
 
 
 def test_collect_refuses_another_dataset(tmp_path, fake):
