@@ -377,7 +377,7 @@ class _Capture:
             if self.logits:
                 tensors["_logits"] = arena["_logits"][:used_steps]
             t0 = _now(dev)
-            out["arenas"].append(_handover(tensors, same_process, self.shm))
+            out["arenas"].append(_handover(tensors, same_process, self.shm, self.timings))
             self.timings["handover"] = self.timings.get("handover", 0.0) + _now(dev) - t0
         out["timings"] = dict(self.timings)
         out["stats"] = dict(self.stats)
@@ -651,7 +651,8 @@ def _d2h(host: torch.Tensor, v: torch.Tensor, mode: str, f: _ShmFile | None = No
     host.copy_(v)
 
 
-def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFiles | None" = None) -> dict:
+def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFiles | None" = None,
+              timings: dict[str, float] | None = None) -> dict:
     """Move tensors to the client: directly in one process, else through files in shared memory.
 
     Each tensor becomes one file in ``/dev/shm``, prepared during the generation (:class:`_ShmFiles`).
@@ -663,13 +664,22 @@ def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFi
     """
     if same_process:
         return {"tensors": {k: v.to("cpu") for k, v in tensors.items()}}
+    import time
+
     mode = _handover_mode()
     files = {}
+    timings = {} if timings is None else timings
     for name, v in tensors.items():
         nbytes = v.numel() * v.element_size()
+        t0 = time.perf_counter()
         f = shm.take(nbytes) if shm is not None else _ShmFile(nbytes)
+        t1 = time.perf_counter()
         if nbytes:
             _d2h(f.host(nbytes, v.dtype, v.shape), v, mode, f)
+        # where the hand-off's time goes (benchmarks): waiting for a prepared file, then the copy
+        timings["handover_file"] = timings.get("handover_file", 0.0) + t1 - t0
+        timings["handover_copy"] = timings.get("handover_copy", 0.0) + time.perf_counter() - t1
+        timings["handover_bytes"] = timings.get("handover_bytes", 0) + nbytes
         if shm is not None:
             shm.release(f, nbytes)
         else:
