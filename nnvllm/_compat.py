@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["SKIP_ENV", "SUPPORTED_NNSIGHT", "SUPPORTED_VLLM", "check_versions"]
+__all__ = ["SKIP_ENV", "SUPPORTED_NNSIGHT", "SUPPORTED_VLLM", "bind_stores_to_loopback", "check_versions"]
 
 SKIP_ENV = "NNVLLM_SKIP_VERSION_CHECK"
 
@@ -100,3 +100,50 @@ def check_versions(gpu: bool | None = None) -> None:
 
         gpu = torch.cuda.is_available()
     _check(getattr(vllm, "__version__", "unknown"), getattr(nnsight, "__version__", "unknown"), gpu)
+
+
+# ---------------------------------------------------------------- torch.distributed on loopback
+
+_LOOPBACK = {"127.0.0.1": "127.0.0.1", "localhost": "127.0.0.1", "::1": "::1"}
+
+
+def bind_stores_to_loopback() -> None:
+    """Make a ``torch.distributed`` rendezvous at a loopback address listen on loopback only.
+
+    ``init_process_group(init_method="tcp://127.0.0.1:PORT")`` starts a TCPStore that ignores the
+    host and listens on every interface (pytorch/pytorch#173909): an unauthenticated store reachable
+    from the network. vLLM's engine starts one even for one GPU (seen on an H200 as ``:::PORT``).
+    After this call (process-wide; in engine processes, before vLLM initialises torch.distributed),
+    rank 0 binds the socket to the loopback address itself and hands it to the store
+    (``master_listen_fd``). Touches torch's private ``torch.distributed.rendezvous.TCPStore`` name.
+    """
+    import importlib
+    import socket
+
+    # (the attribute torch.distributed.rendezvous is a function; the module is what is patched)
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+
+    real = getattr(rdzv.TCPStore, "_nnvllm_real", rdzv.TCPStore)
+
+    def tcp_store(*args, **kwargs):
+        host = kwargs.get("host_name")
+        if args or not kwargs.get("is_master") or host not in _LOOPBACK or "master_listen_fd" in kwargs:
+            return real(*args, **kwargs)
+        addr = _LOOPBACK[host]
+        sock = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((addr, int(kwargs.get("port") or 0)))
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            return real(*args, **kwargs)
+        fd = sock.detach()
+        try:
+            return real(*args, **{**kwargs, "master_listen_fd": fd})
+        except Exception:  # noqa: BLE001  a torch without master_listen_fd: as before
+            socket.close(fd)
+            return real(*args, **kwargs)
+
+    tcp_store._nnvllm_real = real
+    rdzv.TCPStore = tcp_store

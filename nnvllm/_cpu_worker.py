@@ -39,6 +39,9 @@ class NNsightCPUWorker(CaptureWorker, NNsightGPUWorker, CPUWorker):
     """vLLM's CPU worker with nnsight's RPC methods (``collect_nnsight``, ``nnsight_register``, ...)."""
 
     def init_device(self) -> None:
+        from ._compat import bind_stores_to_loopback
+
+        bind_stores_to_loopback()  # vLLM's torch.distributed store: loopback only (see there)
         CPUWorker.init_device(self)
         runner = self.model_runner
         if type(runner) is not CPUModelRunner:

@@ -510,12 +510,17 @@ class _ShmFile:
         self.ptr = 0
         self.registered = False
         if nbytes:
-            os.posix_fallocate(self.fd, 0, nbytes)
-            import mmap
+            try:
+                os.posix_fallocate(self.fd, 0, nbytes)
+                import mmap
 
-            self.mm = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            if pin:
-                self.register(device)
+                self.mm = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                if pin:
+                    self.register(device)
+            except BaseException:  # e.g. /dev/shm full: leave no file behind
+                os.close(self.fd)
+                os.unlink(self.path)
+                raise
 
     def register(self, device: Any = None) -> bool:
         if self.registered or not self.size:
@@ -571,29 +576,42 @@ class _ShmFiles:
         self.device = device
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
         self.ready: list = []  # futures of _ShmFile
+        self.handed: set[str] = set()  # paths the client maps (and then unlinks)
+        self.made: list[str] = []  # every path this capture created
+
+    def _make(self, nbytes: int, pin: bool = False) -> _ShmFile:
+        f = _ShmFile(nbytes, pin, self.device)
+        self.made.append(f.path)
+        return f
 
     def prepare(self, nbytes: int) -> None:
-        self.ready.append(self.pool.submit(_ShmFile, nbytes, self.pin, self.device))
+        self.ready.append(self.pool.submit(self._make, nbytes, self.pin))
 
     def take(self, nbytes: int) -> _ShmFile:
-        """A prepared file of at least ``nbytes``, else a new one."""
-        for i, fut in enumerate(self.ready):
-            f = fut.result()
-            if f.size >= nbytes:
-                self.ready.pop(i)
-                return f
-        return _ShmFile(nbytes)
+        """The smallest prepared file of at least ``nbytes``, else a new one; it is handed over."""
+        fits = [(fut.result().size, i) for i, fut in enumerate(self.ready) if fut.result().size >= nbytes]
+        f = self.ready.pop(min(fits)[1]).result() if fits else self._make(nbytes)
+        self.handed.add(f.path)
+        return f
 
     def release(self, f: _ShmFile, keep: int) -> None:
         self.pool.submit(f.release, keep)
 
     def discard(self) -> None:
+        """Release the files never handed over and remove every file of this capture the client
+        will not unlink, whatever path led here (an error mid-hand-off included)."""
         for fut in self.ready:
             try:
                 fut.result().discard()
             except Exception:  # noqa: BLE001
                 pass
         self.ready = []
+        for path in self.made:
+            if path not in self.handed:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
         self.pool.shutdown(wait=False)
 
 
@@ -785,6 +803,13 @@ class CaptureWorker:
     By name, not as a function: a multiprocess engine serializes RPCs with msgspec, which refuses
     functions. Results are small: the bytes of a capture travel through shared memory.
     """
+
+    def init_device(self) -> None:
+        # vLLM starts torch.distributed here (also for one device): keep its store on loopback.
+        from ._compat import bind_stores_to_loopback
+
+        bind_stores_to_loopback()
+        super().init_device()
 
     def nnvllm_arm(self, spec: dict) -> None:
         runner = self.model_runner

@@ -26,6 +26,7 @@ import atexit
 import io
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -78,6 +79,28 @@ def _tail(path: Path | None, lines: int = 30) -> str:
     return "\n".join("    " + ln for ln in text[-lines:])
 
 
+_ERROR_LINE = re.compile(r"([A-Za-z_][\w.]*(?:Error|Exception)): (.+)")
+_NOT_THE_CAUSE = ("Engine core initialization failed", "See root cause above")
+
+
+def _cause(path: Path | None) -> str:
+    """The first exception a log records that is not vLLM's "see root cause above" (vLLM prints the
+    engine core's real error long before its last lines), as one line; "" if none."""
+    if path is None or not path.exists():
+        return ""
+    for ln in path.read_bytes()[-2_000_000:].decode(errors="replace").splitlines():
+        m = _ERROR_LINE.search(ln)
+        if m and not any(x in ln for x in _NOT_THE_CAUSE):
+            return f"{m.group(1)}: {m.group(2).strip()}"
+    return ""
+
+
+def _log_report(path: Path | None) -> str:
+    cause = _cause(path)
+    first = f"First error in its log: {cause}\n" if cause else ""
+    return f"{first}Last lines of its log ({path}):\n{_tail(path)}"
+
+
 def _describe_exit(rc: int) -> str:
     if rc < 0:
         try:
@@ -128,7 +151,7 @@ class _Server:
             if rc is not None:
                 raise RuntimeError(
                     f"the engine process for {what} {_describe_exit(rc)} while starting. "
-                    f"Last lines of its log ({self.log}):\n{_tail(self.log)}"
+                    + _log_report(self.log)
                 ) from None
             if self.url is None and self._port_file.exists():
                 self.url = f"http://127.0.0.1:{int(self._port_file.read_text())}"
@@ -141,8 +164,7 @@ class _Server:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"the engine for {what} did not start within start_timeout; it was stopped. Pass a "
-                    f"larger start_timeout= if it is only slow. Last lines of its log ({self.log}):\n"
-                    f"{_tail(self.log)}"
+                    f"larger start_timeout= if it is only slow. " + _log_report(self.log)
                 ) from None
             time.sleep(0.2)
 
@@ -429,8 +451,7 @@ class IsolatedMixin:
             self._dead = (
                 f"the isolated engine for {self.checkpoint!r} died: {why}. What was left of its process "
                 "group was ended and its memory freed. Call model.restart() to start a new engine with the "
-                f"same arguments (no kernel restart needed). Last lines of its log ({server.log}):\n"
-                f"{_tail(server.log)}"
+                "same arguments (no kernel restart needed). " + _log_report(server.log)
             )
         else:
             self._dead = (

@@ -316,7 +316,8 @@ def _byte_views(parts: list[Tensor]):
             yield b[a:a + _WRITE_BLOCK]
 
 
-def write_safetensors(path: str | Path, tensors: dict[str, Pieces], metadata: dict[str, str]) -> str:
+def write_safetensors(path: str | Path, tensors: dict[str, Pieces], metadata: dict[str, str], *,
+                      fsync: bool = True) -> str:
     """Atomically write a safetensors file from :class:`Pieces`; return the file's sha256.
 
     The bytes go from the pieces straight to the file (no intermediate buffer), and the sha256 is
@@ -362,22 +363,25 @@ def write_safetensors(path: str | Path, tensors: dict[str, Pieces], metadata: di
             finally:
                 digest.append(fut.result())
 
-    atomic_write(Path(path), write)
+    atomic_write(Path(path), write, fsync=fsync)
     return digest[0]
 
 
-def atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write, fsync: bool = True) -> None:
     """Call ``write(tmp)`` on a temporary name beside ``path``, flush it to disk, rename it over ``path``.
 
     The rename is atomic on POSIX filesystems, so ``path`` is always either the old file or the
     complete new one; on any error the temporary file is removed and the old file is untouched.
+    ``fsync=False`` skips waiting for the disk: still atomic if the process dies, but a power loss
+    or OS crash may leave the file incomplete.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        if fsync:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

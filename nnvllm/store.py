@@ -89,7 +89,8 @@ def _offsets(lengths: list[int]) -> Tensor:
     return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
 
 
-def write_shard(run: Run, path: str | Path, request_ids: Sequence[int], logits_policy: str = "chosen") -> dict:
+def write_shard(run: Run, path: str | Path, request_ids: Sequence[int], logits_policy: str = "chosen",
+                fsync: bool = True) -> dict:
     """Write ``run`` as one shard file at ``path`` (atomically) and return its index entry.
 
     Args:
@@ -97,6 +98,7 @@ def write_shard(run: Run, path: str | Path, request_ids: Sequence[int], logits_p
         path: the shard file to write.
         request_ids: the dataset-wide index of each of ``run``'s requests.
         logits_policy: what to keep per generated step; see :func:`collect`.
+        fsync: wait until the file is on the disk before returning (see :func:`collect`).
 
     Returns:
         ``{"file", "requests", "sha256", "bytes", "records"}``; ``records`` holds per request
@@ -145,7 +147,7 @@ def write_shard(run: Run, path: str | Path, request_ids: Sequence[int], logits_p
         tensors["logits"] = Pieces.cat(list(run.logits), dim=0)
     meta = {"requests": json.dumps(ids), "logits": policy, "layers": json.dumps(run.layers),
             "sites": json.dumps(list(acts)), "format": SHARD_FORMAT}
-    sha = write_safetensors(path, tensors, meta)
+    sha = write_safetensors(path, tensors, meta, fsync=fsync)
     records = [{"prompt": run.prompts[i], "prompt_ids": list(run.prompt_ids[i]), "tokens": list(run.tokens[i]),
                 "text": run.text[i], "positions": positions[i], "steps": steps[i]} for i in range(n)]
     return {"file": path.name, "requests": ids, "sha256": sha, "bytes": path.stat().st_size,
@@ -213,8 +215,8 @@ def _settings_diff(old: dict, new: dict) -> list[str]:
             if old.get(k) != new.get(k)]
 
 
-def _write_index(out: Path, index: dict) -> None:
-    atomic_write(out / INDEX, lambda tmp: tmp.write_text(json.dumps(index, ensure_ascii=False)))
+def _write_index(out: Path, index: dict, fsync: bool = True) -> None:
+    atomic_write(out / INDEX, lambda tmp: tmp.write_text(json.dumps(index, ensure_ascii=False)), fsync=fsync)
 
 
 def _read_index(out: Path) -> dict:
@@ -255,6 +257,7 @@ def collect(
     batch_size: int | None = None,
     memory_budget: int | str = "4GB",
     progress: bool = True,
+    fsync: bool = False,
 ) -> Dataset:
     """Generate from many prompts in chunks and write the activations to disk as they come.
 
@@ -298,6 +301,12 @@ def collect(
         batch_size: prompts per chunk (and shard); None chooses it from ``memory_budget``.
         memory_budget: see above.
         progress: show a ``tqdm`` bar over requests.
+        fsync: wait for each shard to reach the disk before listing it in the index. Off by
+            default: an interrupted or killed ``collect`` still keeps every listed shard complete
+            (files are renamed into place once written), but after a power loss or an OS crash a
+            listed shard may be incomplete (``Dataset.verify`` finds it; collect again into a new
+            directory). On: survives those too, at the disk's write speed (1.5 GB/s measured on
+            the H200 host's disk, against ~3 GB/s into the page cache).
 
     Returns:
         The :class:`Dataset` at ``out``.
@@ -386,7 +395,7 @@ def collect(
     def finish_oldest() -> None:
         fut, n = pending.pop(0)
         index["shards"].append(fut.result())
-        _write_index(out, index)
+        _write_index(out, index, fsync)
         bar.update(n)
 
     try:
@@ -407,7 +416,7 @@ def collect(
                 finish_oldest()
             name = f"shard-{next_shard:05d}.safetensors"  # never a listed shard's name, even after a gap
             next_shard += 1
-            pending.append((pool.submit(write_shard, run, out / name, ids, policy), len(ids)))
+            pending.append((pool.submit(write_shard, run, out / name, ids, policy, fsync), len(ids)))
             del run  # the writer holds it until its shard is written
             start += len(ids)
         while pending:

@@ -90,3 +90,30 @@ def test_no_handoff_file_is_left_behind(toy):
     nv.generate(toy, FACTS[:4], max_tokens=3)
     after = {f for f in os.listdir(shm_dir()) if f.startswith(SHM_PREFIX)}
     assert after <= before
+
+
+def test_handoff_files_not_handed_over_are_removed(monkeypatch):
+    """The GPU hand-off's prepared files (driven here without a GPU): a tensor takes the smallest
+    prepared file that fits; at the end every file the client will not map is removed, including
+    one a failed hand-off made and never handed."""
+    from nnvllm._worker import _ShmFiles
+
+    monkeypatch.setenv("NNVLLM_HANDOVER", "plain")  # no page-locking without CUDA
+    mine = lambda: {f for f in os.listdir(shm_dir()) if f.startswith(f"{SHM_PREFIX}{os.getpid()}-")}  # noqa: E731
+    before = mine()
+    files = _ShmFiles()
+    for n in (4096, 64, 1 << 20):
+        files.prepare(n)
+    small = files.take(32)
+    assert small.size == 64  # not the 1 MiB file
+    big = files.take(8 << 20)  # none fits: a new one
+    assert big.size == 8 << 20
+    stray = files._make(100)  # as if a hand-off failed after making it
+    files.discard()
+    left = mine() - before
+    assert left == {os.path.basename(small.path), os.path.basename(big.path)}  # the client's to unlink
+    assert not os.path.exists(stray.path)
+    for f in (small, big, stray):
+        f.release(0)
+    for p in (small.path, big.path):
+        os.unlink(p)

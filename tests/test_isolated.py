@@ -103,7 +103,9 @@ def test_saves_of_several_invokes_come_back_as_a_list_in_invoke_order(iso):
         assert (lg[i].cpu()[0] - run.logits[i][0]).abs().max() < 1e-4
     with iso.trace(CLEAN, temperature=0.0, max_tokens=1):  # one invoke: the value itself
         one = iso.logits.save()
-    assert isinstance(one, torch.Tensor) and torch.equal(one.cpu(), lg[0].cpu())
+    # Bitwise on CPU; on a GPU a batch of one and of three run different kernels: rounding apart.
+    tol = 1e-4 if torch.cuda.is_available() else 0.0
+    assert isinstance(one, torch.Tensor) and (one.cpu() - lg[0].cpu()).abs().max() <= tol
 
 
 def test_patch_reads_both_forms_of_saved_pairs(iso):

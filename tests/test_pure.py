@@ -589,3 +589,63 @@ def test_result_classes_are_exported():
                          ("Dataset", "store"), ("EngineInfo", "engine"), ("Run", "results"), ("Samples", "results")]:
         cls = getattr(nv, name)
         assert name in nv.__all__ and cls.__module__ == f"nnvllm.{module}", name
+
+
+def test_a_loopback_rendezvous_listens_on_loopback_only():
+    """torch's TCPStore listens on every interface whatever host it is given; vLLM's engines start
+    one at 127.0.0.1 (on an H200 it listened on ':::PORT'). nnvllm's engine workers bind it first."""
+    import datetime
+    import importlib
+    import socket
+
+    import psutil
+
+    from nnvllm._compat import bind_stores_to_loopback
+
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+    real = rdzv.TCPStore
+
+    def store_on_a_free_port():
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        s.close()
+        return port, rdzv._create_c10d_store("127.0.0.1", port, 0, 1, datetime.timedelta(seconds=10))
+
+    def listening(port):
+        return [c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+                if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+
+    port, plain = store_on_a_free_port()
+    assert listening(port) and listening(port)[0] not in ("127.0.0.1", "::1")  # what torch does alone
+    del plain
+    try:
+        bind_stores_to_loopback()
+        bind_stores_to_loopback()  # twice: still one wrapper
+        port, store = store_on_a_free_port()
+        assert listening(port) == ["127.0.0.1"]
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+    finally:
+        rdzv.TCPStore = real
+
+
+def test_a_failed_engine_start_names_the_first_error_in_its_log(tmp_path):
+    """vLLM ends a failed start with "Engine core initialization failed. See root cause above";
+    the cause is far above the log's last lines, so the error quotes it first."""
+    from nnvllm.isolated import _cause, _log_report
+
+    log = tmp_path / "engine.log"
+    log.write_text("\n".join(
+        ["INFO starting"]
+        + ["(EngineCore pid=12) ERROR Traceback (most recent call last):",
+           "(EngineCore pid=12) ERROR ValueError: Free memory on device cuda:0 (20.1/139.8 GiB) on startup "
+           "is less than desired GPU memory utilization (0.3, 41.9 GiB)."]
+        + [f"noise line {i}" for i in range(100)]
+        + ["[rank0]: RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]))
+    assert _cause(log).startswith("ValueError: Free memory on device cuda:0 (20.1/139.8 GiB)")
+    report = _log_report(log)
+    assert report.startswith("First error in its log: ValueError: Free memory")
+    assert "Engine core initialization failed" in report  # the tail is still there
+    log.write_text("just INFO lines\n")
+    assert _cause(log) == "" and _log_report(log).startswith("Last lines of its log")

@@ -246,10 +246,10 @@ def test_collect_writes_while_the_engine_generates(tmp_path, fake, monkeypatch):
     next_generate_started = threading.Event()
     overlapped = []
 
-    def slow_first_write(run, path, ids, policy):
+    def slow_first_write(run, path, ids, policy, fsync):
         if path.name == "shard-00000.safetensors":  # waits for the engine to start on chunk 1
             overlapped.append(next_generate_started.wait(timeout=20))
-        return real(run, path, ids, policy)
+        return real(run, path, ids, policy, fsync)
 
     fake_generate = nnvllm.capture.generate
 
@@ -265,10 +265,10 @@ def test_collect_writes_while_the_engine_generates(tmp_path, fake, monkeypatch):
     assert [s["file"] for s in ds._index["shards"]] == [f"shard-0000{k}.safetensors" for k in range(4)]
     ds.verify()
 
-    def second_write_fails(run, path, ids, policy):
+    def second_write_fails(run, path, ids, policy, fsync):
         if path.name == "shard-00001.safetensors":
             raise OSError("disk full")
-        return real(run, path, ids, policy)
+        return real(run, path, ids, policy, fsync)
 
     monkeypatch.setattr(store, "write_shard", second_write_fails)
     with pytest.raises(OSError, match="disk full"):
@@ -349,3 +349,20 @@ def test_collect_on_the_engine_matches_generate_and_resumes(toy, tmp_path, monke
     check(ds)
     with pytest.raises(ValueError, match="max_tokens: 3 there, 4 here"):
         nv.collect(toy, prompts, tmp_path / "b", batch_size=2, progress=False, **{**kw, "max_tokens": 4})
+
+
+def test_fsync_is_asked_for(tmp_path, fake, monkeypatch):
+    """Shards and the index wait for the disk only with fsync=True (the default trusts the page cache)."""
+    import os
+
+    model, _ = fake
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
+    store.collect(model, PROMPTS, tmp_path / "a", max_tokens=3, batch_size=4, progress=False)
+    # no shard, and no index after the one that creates the dataset
+    assert not any("shard-" in p for p in synced) and sum("index.json" in p for p in synced) <= 1
+    synced.clear()
+    ds = store.collect(model, PROMPTS, tmp_path / "b", max_tokens=3, batch_size=4, progress=False, fsync=True)
+    assert sum("shard-" in p for p in synced) == 2 and sum("index.json" in p for p in synced) >= 2
+    ds.verify()
