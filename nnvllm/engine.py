@@ -59,6 +59,9 @@ def cpu_defaults(tensor_parallel_size: int = 1) -> dict[str, Any]:
     return d
 
 
+GPU_SHARE_ENV = "NNVLLM_GPU_MEMORY_UTILIZATION"
+
+
 def fit_gpu_memory(engine_args: dict[str, Any]) -> dict[str, Any]:
     """Size a GPU engine to the memory that is free, unless the caller chose a size.
 
@@ -68,9 +71,20 @@ def fit_gpu_memory(engine_args: dict[str, Any]) -> dict[str, Any]:
     place). Without ``gpu_memory_utilization`` from the caller, this sets it to 0.9 x the free share
     of the engine's fullest GPU when less than 98% is free; the first engine on an empty GPU gets
     vLLM's default unchanged. Read through NVML, so the notebook process creates no CUDA context.
+    ``NNVLLM_GPU_MEMORY_UTILIZATION=0.3`` (say) gives every such engine that share instead, for
+    several engines or processes sharing a GPU (the GPU test lane sets it).
     """
     if "gpu_memory_utilization" in engine_args:  # (no NVML call needed)
         return engine_args
+    env = os.environ.get(GPU_SHARE_ENV, "").strip()
+    if env:
+        try:
+            share = float(env)
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 1:
+            raise ValueError(f"{GPU_SHARE_ENV}={env!r}; expected a fraction of GPU memory in (0, 1], e.g. 0.3")
+        return {**engine_args, "gpu_memory_utilization": share}
     n = int(engine_args.get("tensor_parallel_size", 1) or 1) * int(engine_args.get("pipeline_parallel_size", 1) or 1)
     return _fit(engine_args, _free_gpu_share(n))
 

@@ -54,6 +54,18 @@ def tiny_paths(tmp_path_factory) -> dict[str, str]:
     return {k: tiny_checkpoint(k, root / k) for k in ("gpt2", "llama")}
 
 
+def _share_the_gpu() -> None:
+    """On a GPU the lane runs several pytest processes per GPU: an engine a test starts with nv.load's
+    defaults (the README's code, a notebook's) must not take 0.9 of the free memory from the others."""
+    import torch
+
+    if torch.cuda.is_available():
+        os.environ.setdefault("NNVLLM_GPU_MEMORY_UTILIZATION", "0.25")
+
+
+_share_the_gpu()
+
+
 def engine_kwargs(tp: int = 1, **kw) -> dict:
     """Engine arguments for fidelity tests: fp32 everywhere (vLLM runs fp32 checkpoints in half
     precision by default); on a GPU, ``exact=True`` and a small fixed KV cache so engines load quickly

@@ -533,6 +533,18 @@ def test_gpu_engines_are_sized_to_free_memory():
         _fit({}, 0.01)
 
 
+def test_a_fixed_gpu_share_for_engines_from_the_environment(monkeypatch):
+    from nnvllm.engine import GPU_SHARE_ENV, fit_gpu_memory
+
+    monkeypatch.setenv(GPU_SHARE_ENV, "0.3")
+    assert fit_gpu_memory({"dtype": "float16"}) == {"dtype": "float16", "gpu_memory_utilization": 0.3}
+    assert fit_gpu_memory({"gpu_memory_utilization": 0.5}) == {"gpu_memory_utilization": 0.5}  # the caller's
+    for bad in ("1.5", "0", "lots"):
+        monkeypatch.setenv(GPU_SHARE_ENV, bad)
+        with pytest.raises(ValueError, match="NNVLLM_GPU_MEMORY_UTILIZATION"):
+            fit_gpu_memory({})
+
+
 def test_model_classes_leave_torch_cuda_alone():
     # vLLM's CPU worker module replaces torch.cuda.Stream/Event/current_stream for the whole process
     # when imported; the model classes (unpickled in every GPU engine process with each trace) must
