@@ -12,14 +12,17 @@ The public verbs, one hop from here:
 - :class:`Run`, :class:`Samples` (``results.py``) — what those return; :class:`Lens` (``lens.py``),
   :class:`PatchResult` (``patching.py``), :class:`Discrepancy` (``compare.py``), :class:`Dataset`
   (``store.py``) and :class:`EngineInfo` (``engine.py``) are the other results.
+- :class:`Arch`, :data:`ARCHS`, :func:`register_arch` (``arch.py``) — the model families nnvllm knows
+  (one table: where blocks, norms, unembedding and sites live) and how to add one.
 - :mod:`toy` (``toy.py``) — the embedded toy model, the default everywhere.
-- :mod:`testing` (``testing.py``) — tiny random GPT-2/Llama checkpoints for tests.
+- :mod:`testing` (``testing.py``) — tiny random checkpoints of each tested family, for tests.
 
 Importing nnvllm imports neither vLLM nor nnsight and changes no global state.
 """
 
 from . import sampling, toy
 from .analyses import logit_lens, patch
+from .arch import ARCHS, Arch, register_arch
 from .capture import generate
 from .compare import Discrepancy, compare
 from .engine import EngineInfo, engines, load
@@ -32,5 +35,6 @@ from .store import Dataset, collect
 
 __version__ = "0.1.0"
 __all__ = ["load", "engines", "EngineDied", "generate", "collect", "reference", "logit_lens", "patch", "compare",
-           "Run", "Samples", "Lens", "PatchResult", "Discrepancy", "Dataset", "EngineInfo", "sampling", "toy",
+           "Run", "Samples", "Lens", "PatchResult", "Discrepancy", "Dataset", "EngineInfo", "Arch", "ARCHS",
+           "register_arch", "sampling", "toy",
            "__version__"]

@@ -187,7 +187,7 @@ class _Capture:
         self.free_rows = 0
         self.free_steps = 0
         self.last_ids: list[str] | None = None
-        self.family = spec["family"]
+        self.merged_gate_up = bool(taps.arch.get("merged_gate_up"))
         # Logits stay in the engine's dtype (what its sampler upcasts): half the bytes of fp32 in fp16.
         self.logits_dtype = taps.dtype
         remote = spec.get("client_pid") != os.getpid()
@@ -280,7 +280,7 @@ class _Capture:
         for s in self.sites:
             if t.tp > 1 and s in _SHARDED:
                 src = t.fired.get(s, t.static.get(s))
-                gathered[s] = _gather(src[:, :ntok], s, self.family)
+                gathered[s] = _gather(src[:, :ntok], s, self.merged_gate_up)
         if not self.keep or self.error is not None:
             return
         try:
@@ -431,10 +431,10 @@ def _to(x: torch.Tensor, dev) -> torch.Tensor:
     return x
 
 
-def _gather(x: torch.Tensor, site: str, family: str) -> torch.Tensor:
+def _gather(x: torch.Tensor, site: str, merged_gate_up: bool) -> torch.Tensor:
     from vllm.distributed import tensor_model_parallel_all_gather
 
-    if site == "mlp_in" and family == "llama":
+    if site == "mlp_in" and merged_gate_up:
         # Merged gate_up: each rank holds [gate_r, up_r]; the full width is [gate..., up...].
         g, u = x.chunk(2, dim=-1)
         return torch.cat([tensor_model_parallel_all_gather(g.contiguous(), -1),
@@ -757,7 +757,7 @@ class RecordingRunner:
         from .arch import arch_for
 
         a = arch_for(self.model_config.architectures)
-        arch = {"family": a.family, "blocks": a.blocks, "sites": dict(a.sites)}
+        arch = {"family": a.family, "blocks": a.blocks, "sites": dict(a.sites), "merged_gate_up": a.merged_gate_up}
         cap = 0
         if self.device.type == "cuda" and not self.model_config.enforce_eager:
             sizes = getattr(self, "cudagraph_batch_sizes", None) or []

@@ -225,7 +225,7 @@ def patch(
     seq = base.sequence(0)
 
     cells = [(j, layer, p) for j, layer in enumerate(L) for p in P]
-    llama_resid = site == "resid" and model.arch.family == "llama"
+    llama_resid = site == "resid" and model.arch.returns_residual
     diffs = torch.zeros(len(cells))
     chunk = 64  # invokes per trace: bounded so a progress bar moves and memory stays flat
     bar = tqdm(total=len(cells), desc="patching", disable=not progress, leave=False)

@@ -19,28 +19,53 @@ mlp_act    MLP activation output (input of the down-proj)   d_mlp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
-__all__ = ["Arch", "ARCHS", "SITES", "arch_for", "untie_shared_modules"]
+__all__ = ["Arch", "ARCHS", "SITES", "arch_for", "register_arch", "untie_shared_modules"]
 
 SITES = ("resid", "attn", "mlp", "mlp_in", "mlp_act")
 
 
 @dataclass(frozen=True)
 class Arch:
-    """Where things live in one model family. Paths are relative to the causal-LM root module."""
+    """Where things live in one model family, and what its blocks return. Paths are relative to the
+    causal-LM root module; one entry serves the engine's taps, the logit lens and the reference.
 
-    family: str  # "gpt2" | "llama"
-    blocks: str  # the ModuleList of blocks
+    Attributes:
+        family: a short name ("gpt2", "llama", "phi3", ...).
+        blocks: the ModuleList of blocks.
+        final_norm: the norm after the last block (the lens applies the engine's own module).
+        unembed: the LM head (tied or not).
+        sites: site -> (module path relative to a block, "input" | "output") in vLLM's tree.
+        hf_sites: where transformers' tree differs: site -> path, or a tuple of paths whose outputs
+            are concatenated (transformers' separate gate and up projections, merged in vLLM).
+        merged_gate_up: vLLM's ``mlp_in`` is one merged [gate | up] projection (tensor parallelism
+            gathers the two halves separately).
+        returns_residual: vLLM's block returns ``(hidden, residual)`` whose sum is the residual
+            stream (Llama-style fused add-norm); otherwise it returns the stream itself.
+        logit_softcap: the config key of a final-logit soft-cap (``cap * tanh(logits / cap)``), or None.
+    """
+
+    family: str
+    blocks: str
     final_norm: str
-    unembed: str  # the LM head (tied or not)
-    # site -> (module path relative to a block, "input" | "output")
+    unembed: str
     sites: dict
+    hf_sites: dict = field(default_factory=dict)
+    merged_gate_up: bool = False
+    returns_residual: bool = False
+    logit_softcap: str | None = None
 
     def site(self, name: str) -> tuple[str, str]:
         if name not in self.sites:
             raise ValueError(f"site={name!r} is not one of {sorted(self.sites)}") from None
         return self.sites[name]
+
+    def hf_site(self, name: str) -> tuple[str | tuple[str, ...], str]:
+        """(path or paths, side) of a site in transformers' tree."""
+        path, side = self.site(name)
+        return self.hf_sites.get(name, path), side
 
 
 _GPT2 = Arch(
@@ -56,38 +81,100 @@ _GPT2 = Arch(
         "mlp_act": ("mlp.c_proj", "input"),
     },
 )
+_LLAMA_SITES = {
+    "resid": ("", "output"),
+    "attn": ("self_attn", "output"),
+    "mlp": ("mlp", "output"),
+    "mlp_in": ("mlp.gate_up_proj", "output"),
+    "mlp_act": ("mlp.down_proj", "input"),
+}
 _LLAMA = Arch(
     family="llama",
     blocks="model.layers",
     final_norm="model.norm",
     unembed="lm_head",
-    sites={
-        "resid": ("", "output"),
-        "attn": ("self_attn", "output"),
-        "mlp": ("mlp", "output"),
-        "mlp_in": ("mlp.gate_up_proj", "output"),
-        "mlp_act": ("mlp.down_proj", "input"),
-    },
+    sites=_LLAMA_SITES,
+    hf_sites={"mlp_in": ("mlp.gate_proj", "mlp.up_proj")},
+    merged_gate_up=True,
+    returns_residual=True,
 )
+# Phi-3: vLLM runs it as Llama; transformers fuses gate and up too ([gate | up], like vLLM).
+_PHI3 = Arch(family="phi3", blocks="model.layers", final_norm="model.norm", unembed="lm_head",
+             sites=_LLAMA_SITES, merged_gate_up=True, returns_residual=True)
 
-#: HF architecture name -> layout. Llama-style families share vLLM's (hidden, residual) block output.
+#: HF architecture name -> layout.
 ARCHS: dict[str, Arch] = {
     "GPT2LMHeadModel": _GPT2,
     "LlamaForCausalLM": _LLAMA,
     "MistralForCausalLM": _LLAMA,
     "Qwen2ForCausalLM": _LLAMA,
-    "Qwen3ForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": _LLAMA,  # q/k norms sit inside attention: no site moves
+    "Phi3ForCausalLM": _PHI3,
 }
+
+
+def register_arch(architecture: str, arch: Arch) -> None:
+    """Teach nnvllm the layout of another family (see docs/families.md for a walk-through).
+
+    Args:
+        architecture: the name in the checkpoint's ``config.json`` ``architectures`` list.
+        arch: its :class:`Arch`. Every site path must exist in vLLM's model tree (and, through
+            ``hf_sites``, in transformers' for :func:`nnvllm.reference`).
+
+    Engine processes (vLLM's engine core, an isolated engine's server, tensor-parallel workers)
+    learn it through the environment they inherit (``NNVLLM_ARCHS``): register before
+    :func:`nnvllm.load`.
+
+    Example:
+        >>> nv.register_arch("MyLlamaForCausalLM", nv.ARCHS["LlamaForCausalLM"])   # doctest: +SKIP
+    """
+    import json
+    import os
+
+    if not isinstance(architecture, str) or not architecture:
+        raise TypeError(f"architecture must be the name in config.json's architectures, got {architecture!r}")
+    if not isinstance(arch, Arch):
+        raise TypeError(f"arch must be an nnvllm.Arch, got {type(arch).__name__}")
+    if "resid" not in arch.sites:
+        raise ValueError("arch.sites must define 'resid' (the block itself: ('', 'output'))")
+    for name, spec in arch.sites.items():
+        if name not in SITES or not (isinstance(spec, tuple) and len(spec) == 2 and spec[1] in ("input", "output")):
+            raise ValueError(f"arch.sites[{name!r}] = {spec!r}; expected a site of {SITES} mapped to "
+                             "(path in a block, 'input' | 'output')")
+    ARCHS[architecture] = arch
+    registered = json.loads(os.environ.get(_ENV, "{}") or "{}")
+    registered[architecture] = dataclasses.asdict(arch)
+    os.environ[_ENV] = json.dumps(registered)
+
+
+_ENV = "NNVLLM_ARCHS"
+
+
+def _from_env(name: str) -> Arch | None:
+    """A layout registered in a parent process (see :func:`register_arch`)."""
+    import json
+    import os
+
+    d = json.loads(os.environ.get(_ENV, "{}") or "{}").get(name)
+    if d is None:
+        return None
+    d["sites"] = {k: tuple(v) for k, v in d["sites"].items()}
+    d["hf_sites"] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.get("hf_sites", {}).items()}
+    return Arch(**d)
 
 
 def arch_for(architectures: list[str] | None, where: str = "this checkpoint") -> Arch:
     """Return the layout for a config's ``architectures`` list, or raise a ValueError that says why."""
     for name in architectures or []:
+        found = _from_env(name)  # registered (in this process or a parent): may replace a built-in
+        if found is not None:
+            return found
         if name in ARCHS:
             return ARCHS[name]
     raise ValueError(
         f"{where} declares architectures={architectures!r}; nnvllm knows the layout of "
-        f"{sorted(ARCHS)}. Add an entry to nnvllm.arch.ARCHS for another family."
+        f"{sorted(ARCHS)}. For another family, describe its layout with nnvllm.Arch and register it "
+        "with nnvllm.register_arch(name, arch) (docs/families.md walks through one)."
     ) from None
 
 

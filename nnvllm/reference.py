@@ -59,30 +59,20 @@ def _forward_capture(model, arch, ids: list[int], layer_ids: list[int], wanted: 
     def put(key, x):
         got[key] = x[0].detach().float().cpu().clone()
 
+    def hook(mod, side, key):
+        if side == "input":
+            return mod.register_forward_pre_hook(lambda m, a: put(key, a[0]))
+        return mod.register_forward_hook(lambda m, a, o: put(key, o[0] if isinstance(o, tuple) else o))
+
     for j, layer in enumerate(layer_ids):
         b = blocks[layer]
         for s in wanted:
-            if s == "resid":
-                handles.append(b.register_forward_hook(
-                    lambda m, a, o, j=j: put(("resid", j), o[0] if isinstance(o, tuple) else o)))
-            elif s == "attn":
-                attn = b.get_submodule(arch.site("attn")[0])
-                handles.append(attn.register_forward_hook(
-                    lambda m, a, o, j=j: put(("attn", j), o[0] if isinstance(o, tuple) else o)))
-            elif s == "mlp":
-                handles.append(b.get_submodule(arch.site("mlp")[0]).register_forward_hook(
-                    lambda m, a, o, j=j: put(("mlp", j), o)))
-            elif s == "mlp_act":
-                down = b.mlp.c_proj if arch.family == "gpt2" else b.mlp.down_proj
-                handles.append(down.register_forward_pre_hook(lambda m, a, j=j: put(("mlp_act", j), a[0])))
-            elif s == "mlp_in":
-                if arch.family == "gpt2":
-                    handles.append(b.mlp.c_fc.register_forward_hook(lambda m, a, o, j=j: put(("mlp_in", j), o)))
-                else:  # vLLM merges gate and up: [gate | up]
-                    handles.append(b.mlp.gate_proj.register_forward_hook(
-                        lambda m, a, o, j=j: put(("gate", j), o)))
-                    handles.append(b.mlp.up_proj.register_forward_hook(
-                        lambda m, a, o, j=j: put(("up", j), o)))
+            paths, side = arch.hf_site(s)
+            if isinstance(paths, tuple):  # parts transformers keeps apart and vLLM merges: concatenated
+                for k, p in enumerate(paths):
+                    handles.append(hook(b.get_submodule(p), side, (s, j, k)))
+            else:
+                handles.append(hook(b.get_submodule(paths) if paths else b, side, (s, j)))
     try:
         with torch.no_grad():
             logits = model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()
@@ -91,8 +81,10 @@ def _forward_capture(model, arch, ids: list[int], layer_ids: list[int], wanted: 
             h.remove()
     acts = {}
     for s in wanted:
-        if s == "mlp_in" and arch.family != "gpt2":
-            acts[s] = torch.stack([torch.cat([got[("gate", j)], got[("up", j)]], -1) for j in range(len(layer_ids))])
+        paths, _ = arch.hf_site(s)
+        if isinstance(paths, tuple):
+            acts[s] = torch.stack([torch.cat([got[(s, j, k)] for k in range(len(paths))], -1)
+                                   for j in range(len(layer_ids))])
         else:
             acts[s] = torch.stack([got[(s, j)] for j in range(len(layer_ids))])
     return logits, acts

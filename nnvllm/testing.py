@@ -1,4 +1,4 @@
-"""Tiny random checkpoints (GPT-2, Llama, Mistral, Qwen2, Qwen3; tokenizer included) for tests that need other shapes.
+"""Tiny random checkpoints (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3; tokenizer included) for tests that need other shapes.
 
 Built locally from a config in a second or two; no model hub. They reuse the toy model's tokenizer.
 Head sizes are 32: vLLM's CPU attention refuses some head sizes (24 fails at engine start).
@@ -16,7 +16,7 @@ from pathlib import Path
 
 __all__ = ["tiny_checkpoint", "KINDS", "TF32"]
 
-KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3")
+KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def tiny_checkpoint(
@@ -26,7 +26,8 @@ def tiny_checkpoint(
 
     The Llama-style ones use grouped-query attention (2 query heads, 1 KV head) and an untied LM
     head, so tests see vLLM's ``(hidden, residual)`` block outputs and a separate unembedding;
-    Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorms, Mistral is Llama's layout under its own name.
+    Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorms, Mistral is Llama's layout under its own name,
+    Phi-3 fuses q/k/v and gate/up into single projections in transformers too.
     """
     import torch
     import transformers
@@ -48,13 +49,17 @@ def tiny_checkpoint(
         )
         model = GPT2LMHeadModel(cfg)
     else:
-        names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[kind]
+        names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[kind]
         config_cls = getattr(transformers, f"{names}Config")
         model_cls = getattr(transformers, f"{names}ForCausalLM")
-        extra = {"sliding_window": None} if kind in ("mistral", "qwen2", "qwen3") else {}
+        extra = {"sliding_window": None} if kind in ("mistral", "qwen2", "qwen3", "phi3") else {}
+        if kind == "phi3":  # its defaults name a pad id of a 32k vocabulary
+            extra.update(pad_token_id=tok.eos_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+        else:
+            extra["head_dim"] = 32
         cfg = config_cls(
             vocab_size=len(tok), hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
-            num_attention_heads=d_model // 32, num_key_value_heads=max(1, d_model // 64), head_dim=32, max_position_embeddings=128,
+            num_attention_heads=d_model // 32, num_key_value_heads=max(1, d_model // 64), max_position_embeddings=128,
             tie_word_embeddings=False, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
             rms_norm_eps=1e-5, **extra,
         )

@@ -1,5 +1,6 @@
 """Llama-layout families beyond Llama itself, each on a tiny random checkpoint, against transformers
-(issue 11, part): Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k RMSNorm).
+(issue 11, part): Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) and Phi-3 (q/k/v and
+gate/up fused in transformers too).
 
 For each: greedy tokens equal transformers'; every site within 1e-3 at fp32; the lens's last layer
 is the engine's next-token distribution; one patch cell equals the same edit made with transformers
@@ -16,7 +17,8 @@ from conftest import engine_kwargs
 from nnvllm.testing import tiny_checkpoint
 from test_analyses import _hf_patched_diff
 
-FAMILIES = ["mistral", "qwen2", "qwen3"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "phi3"]
+FAMILY_OF = {"mistral": "llama", "qwen2": "llama", "qwen3": "llama", "phi3": "phi3"}
 PROMPTS = ["The capital of France is", "Paris is the capital of"]
 SITES = ("attn", "mlp", "mlp_in", "mlp_act")
 
@@ -31,7 +33,7 @@ def fam(request, tmp_path_factory, tp):
 
 def test_family_captures_match_transformers(fam, fidelity):
     kind, path, model = fam
-    assert model.arch.family == "llama"
+    assert model.arch.family == FAMILY_OF[kind]
     run = nv.generate(model, PROMPTS, max_tokens=4, ignore_eos=True, sites=SITES)
     hf = fidelity.reference(path, PROMPTS, max_tokens=4, ignore_eos=True, sites=SITES)
     assert run.tokens == hf.value.tokens, kind

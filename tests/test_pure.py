@@ -661,3 +661,33 @@ def test_a_failed_engine_start_names_the_first_error_in_its_log(tmp_path):
     assert "Engine core initialization failed" in report  # the tail is still there
     log.write_text("just INFO lines\n")
     assert _cause(log) == "" and _log_report(log).startswith("Last lines of its log")
+
+
+def test_register_arch_reaches_engine_processes(monkeypatch):
+    """A registered family is known here and in any process started afterwards (engine processes
+    inherit the environment); bad entries are refused; the unknown-family error says how to add one."""
+    import dataclasses
+    import os
+    import subprocess
+    import sys
+
+    import nnvllm as nv
+    from nnvllm.arch import arch_for
+
+    monkeypatch.delenv("NNVLLM_ARCHS", raising=False)
+    monkeypatch.setattr(nv.arch, "ARCHS", dict(nv.ARCHS))
+    with pytest.raises(ValueError, match=r"nnvllm.register_arch\(name, arch\)"):
+        arch_for(["MyLMForCausalLM"])
+    mine = dataclasses.replace(nv.ARCHS["LlamaForCausalLM"], family="mylm")
+    nv.arch.register_arch("MyLMForCausalLM", mine)
+    assert arch_for(["MyLMForCausalLM"]) == mine
+    code = ("from nnvllm.arch import arch_for; a = arch_for(['MyLMForCausalLM']); "
+            "print(a.family, a.sites['mlp_in'], a.hf_sites['mlp_in'], a.merged_gate_up)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=dict(os.environ))
+    assert out.stdout.split() == ["mylm", "('mlp.gate_up_proj',", "'output')", "('mlp.gate_proj',", "'mlp.up_proj')", "True"]
+    with pytest.raises(ValueError, match="expected a site of"):
+        nv.arch.register_arch("Bad", dataclasses.replace(mine, sites={"resid": ("", "output"), "mlpp": ("mlp", "output")}))
+    with pytest.raises(ValueError, match="must define 'resid'"):
+        nv.arch.register_arch("Bad", dataclasses.replace(mine, sites={"attn": ("self_attn", "output")}))
+    with pytest.raises(TypeError, match="nnvllm.Arch"):
+        nv.arch.register_arch("Bad", {"blocks": "x"})
