@@ -855,11 +855,20 @@ class CaptureWorker:
             w = w[: idx.num_org_elements]
         bias = getattr(head, "bias", None)
         eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", 1e-6)
+        norm_weight = norm.weight.detach().float().cpu()
+        if type(norm).__name__.startswith("Gemma"):  # Gemma's RMSNorm scales by (1 + weight)
+            norm_weight = norm_weight + 1.0
+        # What vLLM's LogitsProcessor does after the unembedding (Gemma 2's final soft-cap, a scale).
+        proc = getattr(model, "logits_processor", None)
+        soft_cap = getattr(proc, "soft_cap", None)
+        scale = getattr(proc, "scale", 1.0)
         import pickle
 
         return pickle.dumps({
             "kind": "layernorm" if getattr(norm, "bias", None) is not None else "rmsnorm",
-            "norm_weight": norm.weight.detach().float().cpu(),
+            "soft_cap": None if soft_cap is None else float(soft_cap),
+            "scale": float(scale if scale is not None else 1.0),
+            "norm_weight": norm_weight,
             "norm_bias": None if getattr(norm, "bias", None) is None else norm.bias.detach().float().cpu(),
             "eps": float(eps),
             "weight": w.float().cpu(),

@@ -38,7 +38,7 @@ def unembedding(model) -> Unembed:
     bias = None if first["bias"] is None else torch.cat([p["bias"] for p in parts])
     weight = weight[: engine.info()["vocab_size"]]  # no padding rows
     u = Unembed(norm=Norm(first["kind"], first["norm_weight"], first["norm_bias"], first["eps"]),
-                weight=weight, bias=bias)
+                weight=weight, bias=bias, soft_cap=first.get("soft_cap"), scale=first.get("scale", 1.0))
     model.__dict__["_nnvllm_unembed"] = u
     return u
 

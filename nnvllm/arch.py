@@ -102,6 +102,18 @@ _LLAMA = Arch(
 _PHI3 = Arch(family="phi3", blocks="model.layers", final_norm="model.norm", unembed="lm_head",
              sites=_LLAMA_SITES, merged_gate_up=True, returns_residual=True)
 
+# Gemma 2: Llama's sites; sandwich norms sit outside them. The embedding scale (sqrt(d_model)) is in
+# the stream; the lens applies the (1 + w) final norm and the final-logit soft-cap the engine applies.
+_GEMMA2 = Arch(family="gemma2", blocks="model.layers", final_norm="model.norm", unembed="model.embed_tokens",
+               sites=_LLAMA_SITES, hf_sites={"mlp_in": ("mlp.gate_proj", "mlp.up_proj")},
+               merged_gate_up=True, returns_residual=True, logit_softcap="final_logit_softcapping")
+
+# Gemma 3 (text): Gemma 2's layout with per-head q/k norms inside attention and an lm_head module
+# (tied); no soft-caps by default.
+_GEMMA3 = Arch(family="gemma3", blocks="model.layers", final_norm="model.norm", unembed="lm_head",
+               sites=_LLAMA_SITES, hf_sites={"mlp_in": ("mlp.gate_proj", "mlp.up_proj")},
+               merged_gate_up=True, returns_residual=True, logit_softcap="final_logit_softcapping")
+
 #: HF architecture name -> layout.
 ARCHS: dict[str, Arch] = {
     "GPT2LMHeadModel": _GPT2,
@@ -110,6 +122,8 @@ ARCHS: dict[str, Arch] = {
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,  # q/k norms sit inside attention: no site moves
     "Phi3ForCausalLM": _PHI3,
+    "Gemma2ForCausalLM": _GEMMA2,
+    "Gemma3ForCausalLM": _GEMMA3,
 }
 
 

@@ -79,13 +79,19 @@ class Unembed:
         norm: the final :class:`Norm`.
         weight: ``[d_vocab, d_model]`` the unembedding (the LM head's weight, tied or not).
         bias: ``[d_vocab]`` the LM head's bias, or None (the usual case).
+        soft_cap: a final-logit soft-cap, ``soft_cap * tanh(logits / soft_cap)`` (Gemma 2), or None.
+        scale: a factor on the logits after that (1 for most models), as vLLM's logits processor.
     """
 
     norm: Norm
     weight: Tensor
     bias: Tensor | None = None
+    soft_cap: float | None = None
+    scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.soft_cap is not None and not (isinstance(self.soft_cap, (int, float)) and self.soft_cap > 0):
+            raise ValueError(f"Unembed.soft_cap={self.soft_cap!r}; expected a positive number or None")
         if not isinstance(self.norm, Norm):
             raise TypeError(
                 f"Unembed.norm must be a nnvllm.lens.Norm, got {type(self.norm).__name__}; wrap the "
@@ -465,9 +471,16 @@ def _to_f32(u: Unembed, device: torch.device) -> Unembed:
         return None if t is None else t.to(device=device, dtype=torch.float32)
 
     n = u.norm
-    return Unembed(Norm(n.kind, cast(n.weight), cast(n.bias), n.eps), cast(u.weight), cast(u.bias))
+    return Unembed(Norm(n.kind, cast(n.weight), cast(n.bias), n.eps), cast(u.weight), cast(u.bias),
+                   u.soft_cap, u.scale)
 
 
 def _project(resid: Tensor, u: Unembed) -> Tensor:
     logits = apply_norm(resid, u.norm) @ u.weight.T
-    return logits if u.bias is None else logits + u.bias
+    if u.bias is not None:
+        logits = logits + u.bias
+    if u.soft_cap is not None:  # the order of vLLM's LogitsProcessor: soft-cap, then scale
+        logits = torch.tanh(logits / u.soft_cap) * u.soft_cap
+    if u.scale != 1.0:
+        logits = logits * u.scale
+    return logits

@@ -46,7 +46,12 @@ def load_reference(path: str, dtype: str = "float32", device: str = "cpu"):
     """Return ``(hf_model, tokenizer)`` for ``path`` in eval mode on ``device`` (cached: the last four are kept)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    from transformers import AutoConfig
+
+    kw = {}
+    if getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None):
+        kw["attn_implementation"] = "eager"  # SDPA has no attention soft-cap (Gemma 2): the exact path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw).to(device).eval()
     return model, AutoTokenizer.from_pretrained(path)
 
 

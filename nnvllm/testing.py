@@ -1,4 +1,4 @@
-"""Tiny random checkpoints (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3; tokenizer included) for tests that need other shapes.
+"""Tiny random checkpoints (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3; tokenizer included) for tests that need other shapes.
 
 Built locally from a config in a second or two; no model hub. They reuse the toy model's tokenizer.
 Head sizes are 32: vLLM's CPU attention refuses some head sizes (24 fails at engine start).
@@ -16,7 +16,7 @@ from pathlib import Path
 
 __all__ = ["tiny_checkpoint", "KINDS", "TF32"]
 
-KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3")
+KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 
 
 def tiny_checkpoint(
@@ -27,7 +27,9 @@ def tiny_checkpoint(
     The Llama-style ones use grouped-query attention (2 query heads, 1 KV head) and an untied LM
     head, so tests see vLLM's ``(hidden, residual)`` block outputs and a separate unembedding;
     Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorms, Mistral is Llama's layout under its own name,
-    Phi-3 fuses q/k/v and gate/up into single projections in transformers too.
+    Phi-3 fuses q/k/v and gate/up into single projections in transformers too; Gemma 2 has sandwich
+    norms, a scaled embedding, ``(1 + w)`` RMSNorms, soft-capped attention and final logits, and a tied head;
+    Gemma 3 (text) adds per-head q/k norms and local/global attention layers, without soft-caps.
     """
     import torch
     import transformers
@@ -49,18 +51,28 @@ def tiny_checkpoint(
         )
         model = GPT2LMHeadModel(cfg)
     else:
-        names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[kind]
-        config_cls = getattr(transformers, f"{names}Config")
+        names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
+                 "gemma2": "Gemma2", "gemma3": "Gemma3"}[kind]
+        config_cls = getattr(transformers, "Gemma3TextConfig" if kind == "gemma3" else f"{names}Config")
         model_cls = getattr(transformers, f"{names}ForCausalLM")
         extra = {"sliding_window": None} if kind in ("mistral", "qwen2", "qwen3", "phi3") else {}
-        if kind == "phi3":  # its defaults name a pad id of a 32k vocabulary
+        tied = False
+        if kind == "gemma2":  # soft-caps low enough that random weights reach them
+            extra.update(head_dim=32, query_pre_attn_scalar=32, sliding_window=64, attn_logit_softcapping=5.0,
+                         final_logit_softcapping=3.0, pad_token_id=tok.eos_token_id, hidden_activation="gelu_pytorch_tanh")
+            tied = True
+        elif kind == "gemma3":
+            extra.update(head_dim=32, query_pre_attn_scalar=32, sliding_window=8, pad_token_id=tok.eos_token_id,
+                         hidden_activation="gelu_pytorch_tanh")  # a short window: local layers differ
+            tied = True
+        elif kind == "phi3":  # its defaults name a pad id of a 32k vocabulary
             extra.update(pad_token_id=tok.eos_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
-        else:
+        elif "head_dim" not in extra:
             extra["head_dim"] = 32
         cfg = config_cls(
             vocab_size=len(tok), hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
             num_attention_heads=d_model // 32, num_key_value_heads=max(1, d_model // 64), max_position_embeddings=128,
-            tie_word_embeddings=False, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+            tie_word_embeddings=tied, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
             rms_norm_eps=1e-5, **extra,
         )
         model = model_cls(cfg)

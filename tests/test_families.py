@@ -1,6 +1,8 @@
 """Llama-layout families beyond Llama itself, each on a tiny random checkpoint, against transformers
 (issue 11, part): Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) and Phi-3 (q/k/v and
-gate/up fused in transformers too).
+gate/up fused in transformers too) and Gemma 2 (sandwich norms, scaled embedding, (1 + w) RMSNorm,
+soft-capped attention and final logits, tied head: the lens must apply the engine's soft-cap) and
+Gemma 3 text (q/k norms, local and global attention layers).
 
 For each: greedy tokens equal transformers'; every site within 1e-3 at fp32; the lens's last layer
 is the engine's next-token distribution; one patch cell equals the same edit made with transformers
@@ -17,8 +19,9 @@ from conftest import engine_kwargs
 from nnvllm.testing import tiny_checkpoint
 from test_analyses import _hf_patched_diff
 
-FAMILIES = ["mistral", "qwen2", "qwen3", "phi3"]
-FAMILY_OF = {"mistral": "llama", "qwen2": "llama", "qwen3": "llama", "phi3": "phi3"}
+FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
+FAMILY_OF = {"mistral": "llama", "qwen2": "llama", "qwen3": "llama", "phi3": "phi3", "gemma2": "gemma2",
+             "gemma3": "gemma3"}
 PROMPTS = ["The capital of France is", "Paris is the capital of"]
 SITES = ("attn", "mlp", "mlp_in", "mlp_act")
 
