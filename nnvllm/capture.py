@@ -207,6 +207,7 @@ def generate(
     max_tokens, temperature, top_p, seed, top_k, logits, ignore_eos = (checked[k] for k in (
         "max_tokens", "temperature", "top_p", "seed", "top_k", "logits", "ignore_eos"))
     sites = _validate.sites(sites)
+    model.arch.check_sites(sites)
     layer_ids = _layers(layers, model.n_layers)
     if sites and not layer_ids:
         raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")

@@ -296,9 +296,12 @@ def _build_model_classes():
         checkpoint: str
 
         def _load_meta(self, repo_id: str, **kwargs: Any):
+            from ._compat import tolerant_meta_weight_processing
+
             kwargs.pop("cuda_graphs", None)
             kwargs.pop("exact", None)
-            module = super()._load_meta(repo_id, **kwargs)
+            with tolerant_meta_weight_processing():
+                module = super()._load_meta(repo_id, **kwargs)
             untie_shared_modules(module)
             return module
 

@@ -151,6 +151,7 @@ def reference(
     model, tok = load_reference(str(path), dtype, str(device))
     cfg = json.loads((Path(path) / "config.json").read_text()) if Path(path).is_dir() else model.config.to_dict()
     arch = arch_for(cfg.get("architectures"), where=repr(path))
+    arch.check_sites(sites)
     layer_ids = _validate.layers(layers, len(model.get_submodule(arch.blocks)))
     if sites and not layer_ids:
         raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")

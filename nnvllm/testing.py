@@ -1,4 +1,4 @@
-"""Tiny random checkpoints (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3; tokenizer included) for tests that need other shapes.
+"""Tiny random checkpoints (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Qwen3-MoE; tokenizer included) for tests that need other shapes.
 
 Built locally from a config in a second or two; no model hub. They reuse the toy model's tokenizer.
 Head sizes are 32: vLLM's CPU attention refuses some head sizes (24 fails at engine start).
@@ -16,7 +16,7 @@ from pathlib import Path
 
 __all__ = ["tiny_checkpoint", "KINDS", "TF32"]
 
-KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe")
 
 
 def tiny_checkpoint(
@@ -29,7 +29,8 @@ def tiny_checkpoint(
     Qwen2 adds q/k/v biases, Qwen3 per-head q/k RMSNorms, Mistral is Llama's layout under its own name,
     Phi-3 fuses q/k/v and gate/up into single projections in transformers too; Gemma 2 has sandwich
     norms, a scaled embedding, ``(1 + w)`` RMSNorms, soft-capped attention and final logits, and a tied head;
-    Gemma 3 (text) adds per-head q/k norms and local/global attention layers, without soft-caps.
+    Gemma 3 (text) adds per-head q/k norms and local/global attention layers, without soft-caps;
+    Qwen3-MoE has a sparse mixture-of-experts MLP in every block (4 experts, 2 per token).
     """
     import torch
     import transformers
@@ -52,10 +53,13 @@ def tiny_checkpoint(
         model = GPT2LMHeadModel(cfg)
     else:
         names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-                 "gemma2": "Gemma2", "gemma3": "Gemma3"}[kind]
+                 "gemma2": "Gemma2", "gemma3": "Gemma3", "qwen3_moe": "Qwen3Moe"}[kind]
         config_cls = getattr(transformers, "Gemma3TextConfig" if kind == "gemma3" else f"{names}Config")
         model_cls = getattr(transformers, f"{names}ForCausalLM")
-        extra = {"sliding_window": None} if kind in ("mistral", "qwen2", "qwen3", "phi3") else {}
+        extra = {"sliding_window": None} if kind in ("mistral", "qwen2", "qwen3", "phi3", "qwen3_moe") else {}
+        if kind == "qwen3_moe":
+            extra.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=d_model, decoder_sparse_step=1,
+                         mlp_only_layers=[], norm_topk_prob=True)
         tied = False
         if kind == "gemma2":  # soft-caps low enough that random weights reach them
             extra.update(head_dim=32, query_pre_attn_scalar=32, sliding_window=64, attn_logit_softcapping=5.0,
