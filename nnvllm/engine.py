@@ -725,6 +725,7 @@ def load(
         raise TypeError(f"isolate={isolate!r}; expected True, False or None (the platform default)")
     # Every check that needs no engine runs here, before one starts (seconds to minutes of work).
     engine_args = _validate.engine_args(engine_args)
+    quiet_engine_logs()
     if engine_args.get("exact"):
         dt = engine_args.get("dtype", "float32")
         if str(dt).removeprefix("torch.") not in ("float32", "float"):
@@ -751,6 +752,21 @@ def load(
     m = isolated.start(_client_class(), path, arch, engine_args, start_timeout)
     _track(m)
     return m
+
+
+def quiet_engine_logs() -> None:
+    """vLLM's ~45 INFO lines per engine start, off unless asked for (issue 14, item 9).
+
+    Sets ``VLLM_LOGGING_LEVEL=WARNING`` for vLLM in this process and the engine processes it starts,
+    unless the caller set ``VLLM_LOGGING_LEVEL`` or ``NNVLLM_VERBOSE=1``. Warnings and errors still
+    show, and an isolated engine's log keeps them (a failed start quotes the first error).
+    """
+    import logging
+
+    if os.environ.get("NNVLLM_VERBOSE") or "VLLM_LOGGING_LEVEL" in os.environ:
+        return
+    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    logging.getLogger("vllm").setLevel(logging.WARNING)  # vLLM imported before: its logger is set up
 
 
 def _client_class(gpu: bool | None = None):

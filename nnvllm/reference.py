@@ -9,6 +9,7 @@ sampling would have drawn differently.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Sequence
@@ -51,8 +52,24 @@ def load_reference(path: str, dtype: str = "float32", device: str = "cpu"):
     kw = {}
     if getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None):
         kw["attn_implementation"] = "eager"  # SDPA has no attention soft-cap (Gemma 2): the exact path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw).to(device).eval()
+    with no_transformers_bars():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw).to(device).eval()
     return model, AutoTokenizer.from_pretrained(path)
+
+
+@contextlib.contextmanager
+def no_transformers_bars():
+    """transformers' "Loading weights" / "Writing model shards" bars off while nnvllm loads or writes a
+    checkpoint for the user (issue 14, item 9); the user's own setting is restored after."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _forward_capture(model, arch, ids: list[int], layer_ids: list[int], wanted: Sequence[str]):

@@ -87,7 +87,10 @@ def tiny_checkpoint(
                     p.mul_(5.0)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    from .reference import no_transformers_bars
+
+    with no_transformers_bars():
+        model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     tmp.rename(out)
     return str(out)

@@ -691,3 +691,18 @@ def test_register_arch_reaches_engine_processes(monkeypatch):
         nv.arch.register_arch("Bad", dataclasses.replace(mine, sites={"attn": ("self_attn", "output")}))
     with pytest.raises(TypeError, match="nnvllm.Arch"):
         nv.arch.register_arch("Bad", {"blocks": "x"})
+
+
+def test_nnvllm_shows_no_transformers_bars(tmp_path, capsys):
+    """Issue 14, item 9: "Writing model shards" / "Loading weights" bars in cells that build or load
+    a checkpoint for the user; the user's own setting is kept."""
+    from transformers.utils import logging as hf_logging
+
+    from nnvllm.reference import load_reference
+    from nnvllm.testing import tiny_checkpoint
+
+    path = tiny_checkpoint("llama", tmp_path / "ckpt")
+    load_reference.__wrapped__(path, "float32", "cpu")  # not the cached one
+    err = capsys.readouterr().err
+    assert "Writing model shards" not in err and "Loading weights" not in err, err[-500:]
+    assert hf_logging.is_progress_bar_enabled()
