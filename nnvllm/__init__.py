@@ -5,6 +5,8 @@ The public verbs, one hop from here:
 - :func:`load` (``engine.py``) — a vLLM engine through nnsight, on GPU or CPU, in-process or isolated
   in its own process (``isolated.py``, ``server.py``); :func:`engines` lists the live ones.
 - :func:`generate` (``capture.py``) — one generation: logits, samples, every layer's activations.
+- :class:`Edit`, :func:`steering_vector` (``edits.py``) — change the model while it generates
+  (``generate(..., edits=[...])``: steering, ablation, scaling), the same in :func:`reference`.
 - :func:`collect` (``store.py``) — many prompts, chunked to disk under a memory budget, read lazily.
 - :func:`reference` (``reference.py``) — the same capture on plain transformers (ground truth).
 - :func:`logit_lens`, :func:`patch` (``analyses.py``; math in ``lens.py``, ``patching.py``).
@@ -25,6 +27,7 @@ from .analyses import logit_lens, patch
 from .arch import ARCHS, Arch, register_arch
 from .capture import generate
 from .compare import Discrepancy, compare
+from .edits import Edit, steering_vector
 from .engine import EngineInfo, engines, load
 from .isolated import EngineDied
 from .lens import Lens
@@ -34,7 +37,7 @@ from .results import Run, Samples
 from .store import Dataset, collect
 
 __version__ = "0.1.0"
-__all__ = ["load", "engines", "EngineDied", "generate", "collect", "reference", "logit_lens", "patch", "compare",
+__all__ = ["load", "engines", "EngineDied", "generate", "Edit", "steering_vector", "collect", "reference", "logit_lens", "patch", "compare",
            "Run", "Samples", "Lens", "PatchResult", "Discrepancy", "Dataset", "EngineInfo", "Arch", "ARCHS",
            "register_arch", "sampling", "toy",
            "__version__"]

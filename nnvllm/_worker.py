@@ -84,6 +84,52 @@ class _Taps:
                     self.handles.append(mod.register_forward_pre_hook(self._input_hook(site, j)))
             self.sites.append(site)
         self.in_graph: set[str] = set()  # sites whose copy is recorded in the CUDA graphs
+        self.edits: list[dict] = []  # armed edits (see arm_edits); applied in eager steps only
+        self._prompt_rows: torch.Tensor | None = None  # this forward's "row is a prompt position" mask
+
+    # ---- edits (nv.generate(..., edits=[...]))
+    def arm_edits(self, edits: list[dict]) -> None:
+        """Edits for the next generation: ``{"site", "layers", "op": add|set|scale, "vector"
+        (list of floats) or None, "value", "scale", "positions": all|prompt|generated}``."""
+        armed = []
+        for e in edits:
+            vec = e.get("vector")
+            armed.append({**e, "layers": set(e["layers"]),
+                          "vec": None if vec is None else torch.tensor(vec, dtype=torch.float32, device=self.device)})
+        self.edits = armed
+
+    def _rows_mask(self, positions: str, n: int, device) -> torch.Tensor | None:
+        if positions == "all":
+            return None
+        if self._prompt_rows is None:
+            r = self.runner
+            nreq = r.input_batch.num_reqs
+            qsl = r.query_start_loc.np[: nreq + 1]
+            plen = np.array([_prompt_len(r.requests[i]) for i in r.input_batch.req_ids[:nreq]], dtype=np.int64)
+            row_plen = torch.from_numpy(np.repeat(plen, np.diff(qsl))).to(device)
+            pos = r.positions[: int(qsl[-1])].to(device)
+            self._prompt_rows = pos < row_plen
+        m = self._prompt_rows if positions == "prompt" else ~self._prompt_rows
+        if m.shape[0] < n:  # rows vLLM padded: never edited
+            m = torch.cat([m, torch.zeros(n - m.shape[0], dtype=torch.bool, device=device)])
+        return m[:n]
+
+    def _apply_edits(self, site: str, j: int, x: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+        """Edit ``x`` in place (and ``residual``: for a Llama-style block the stream is their sum)."""
+        for e in self.edits:
+            if e["site"] != site or j not in e["layers"]:
+                continue
+            m = self._rows_mask(e["positions"], x.shape[0], x.device)
+            op, vec = e["op"], e["vec"]
+            if op == "add":
+                new = x + (vec * e["scale"]).to(x.dtype)
+            elif op == "set":
+                new = (vec.to(x.dtype).expand_as(x) if vec is not None else torch.full_like(x, float(e["value"])))
+            else:  # scale
+                new = ((x + residual) if residual is not None else x) * e["scale"]
+            if residual is not None and op != "add":  # the edited value is the whole stream
+                residual.copy_(torch.zeros_like(residual) if m is None else residual.masked_fill(m[:, None], 0))
+            x.copy_(new if m is None else torch.where(m[:, None], new, x))
 
     # ---- the hooks
     def _buf(self, site: str, n: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -119,14 +165,20 @@ class _Taps:
             if isinstance(out, tuple):
                 if site == "resid" and len(out) > 1 and out[1] is not None:
                     # Llama-style blocks return (hidden, residual): the residual stream is their sum.
+                    if self.edits:
+                        self._apply_edits(site, j, out[0], out[1])
                     self._write(site, j, out[0], out[1])
                     return
                 out = out[0]
+            if self.edits:
+                self._apply_edits(site, j, out)
             self._write(site, j, out)
         return hook
 
     def _input_hook(self, site: str, j: int):
         def hook(module, args):
+            if self.edits:
+                self._apply_edits(site, j, args[0])
             self._write(site, j, args[0])
         return hook
 
@@ -181,7 +233,8 @@ class _Capture:
         dev = taps.device
         if self.layers and self.layers != list(range(taps.n_layers)):
             self.layer_idx = torch.tensor(self.layers, dtype=torch.long, device=dev)
-        self.need_eager = any(s not in taps.in_graph for s in self.sites) and taps.cap > 0
+        # Edits run in the hooks, which a replayed CUDA graph skips: a capture with edits runs eagerly.
+        self.need_eager = (any(s not in taps.in_graph for s in self.sites) or bool(spec.get("edits"))) and taps.cap > 0
         self.requests: dict[str, tuple[int, int, int, int, int]] = {}  # rid -> (arena, off, rows, loff, plen)
         self.arenas: list[dict[str, torch.Tensor]] = []
         self.free_rows = 0
@@ -251,7 +304,7 @@ class _Capture:
 
     def _place(self, rid: str) -> tuple:
         st = self.taps.runner.requests[rid]
-        plen = len(st.prompt_token_ids) if st.prompt_token_ids is not None else int(st.num_prompt_tokens)
+        plen = _prompt_len(st)
         mt = int(st.sampling_params.max_tokens or 1)
         rows, steps = plen + mt, mt
         k = self._arena_for(rows, steps)
@@ -413,6 +466,11 @@ class _Capture:
             logp.append(chosen_logprobs(logits[a: a + step], chosen[a: a + step]))
         return {"_probs": torch.cat(probs_c), "_top_ids": torch.cat(top_i), "_top_probs": torch.cat(top_p_),
                 "_logprobs": torch.cat(logp)}
+
+
+def _prompt_len(st: Any) -> int:
+    """A vLLM request state's prompt length."""
+    return len(st.prompt_token_ids) if st.prompt_token_ids is not None else int(st.num_prompt_tokens)
 
 
 def _now(dev) -> float:
@@ -791,6 +849,7 @@ class RecordingRunner:
         cap = getattr(self, "_nnvllm_capture", None)
         if taps is not None:
             taps.fired = {}
+            taps._prompt_rows = None
         out = super().execute_model(scheduler_output, intermediate_tensors)
         if cap is not None and out is None:
             cap.step(self)
@@ -816,6 +875,7 @@ class CaptureWorker:
         runner.nnvllm_install()
         cap = _Capture(runner._nnvllm_taps, spec)
         cap.check_memory()
+        runner._nnvllm_taps.arm_edits(spec.get("edits") or [])
         runner._nnvllm_taps.active = True
         runner._nnvllm_capture = cap
 
@@ -824,6 +884,7 @@ class CaptureWorker:
         taps = getattr(runner, "_nnvllm_taps", None)
         if taps is not None:
             taps.active = False
+            taps.edits = []
         cap = getattr(runner, "_nnvllm_capture", None)
         runner._nnvllm_capture = None
         if cap is not None and cap.shm is not None:
@@ -835,6 +896,7 @@ class CaptureWorker:
         taps = getattr(runner, "_nnvllm_taps", None)
         if taps is not None:
             taps.active = False
+            taps.edits = []
         runner._nnvllm_capture = None
         if cap is None:
             return None

@@ -172,6 +172,7 @@ def generate(
     top_k: int = 5,
     sites: Sequence[str] = (),
     ignore_eos: bool = False,
+    edits=None,
 ) -> Run:
     """Generate from ``prompts`` on the engine and capture logits, samples and activations.
 
@@ -188,6 +189,8 @@ def generate(
         sites: extra per-block sites to keep, from ``("attn", "mlp", "mlp_in", "mlp_act")``,
             for the same ``layers``.
         ignore_eos: keep generating past the end-of-sequence token (a fixed number of steps).
+        edits: :class:`~nnvllm.edits.Edit` s made while generating (steering, ablation, scaling; see
+            :mod:`nnvllm.edits`), for every prompt; ``run.meta["edits"]`` records them.
 
     Returns:
         A :class:`~nnvllm.results.Run`; ``run.resid[i]`` is ``[layer, pos, d_model]`` over the prompt
@@ -213,12 +216,16 @@ def generate(
         raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
     engine = engine_of(model)  # a closed (or dead) engine says so here
     _validate.fits_context(_prompt_lens(model, prompts), max_tokens, _context_len(model, engine))
+    from . import edits as _edits
+
+    edit_list = _edits.resolve(edits, model.arch, model.n_layers, _edits.site_widths(model),
+                               engine.info()["tp"] if edits else 1)
     arch = model.arch
     wanted = (("resid",) if layer_ids else ()) + sites
     params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
     spec = {"family": arch.family, "layers": list(layer_ids), "sites": list(wanted), "logits": bool(logits),
             "sample": {"temperature": float(temperature), "top_p": float(top_p), "k": int(top_k)},
-            "client_pid": os.getpid(), **_size_hint(model, prompts, max_tokens)}
+            "client_pid": os.getpid(), "edits": _edits.to_spec(edit_list), **_size_hint(model, prompts, max_tokens)}
     outputs, handoff = engine.capture(prompts, params, spec)
     info = engine.info()
     if handoff is None:
@@ -242,7 +249,8 @@ def generate(
               sites={s: [] for s in wanted if s != "resid"},
               sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             top_k=top_k, ignore_eos=ignore_eos),
-              meta=dict(engine="vllm", model=model.checkpoint, dtype=info["dtype"], tp=info["tp"]))
+              meta=dict(engine="vllm", model=model.checkpoint, dtype=info["dtype"], tp=info["tp"],
+                        **({"edits": [e.describe() for e in edit_list]} if edit_list else {})))
     run.tokenizer = getattr(model, "tokenizer", None)  # for labels (Run.plot); not saved with the run
     for out in outputs:
         rid = out["request_id"]

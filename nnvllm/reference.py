@@ -127,6 +127,7 @@ def reference(
     tokens: list[list[int]] | None = None,
     dtype: str = "float32",
     device: str | torch.device = "cpu",
+    edits=None,
 ) -> Run:
     """Generate with plain transformers and capture what :func:`nnvllm.generate` captures.
 
@@ -138,6 +139,8 @@ def reference(
         device: where transformers runs ("cpu", the default, or e.g. "cuda"); the returned tensors
             are on the CPU either way. On a GPU, fp32 matmuls follow torch's TF32 setting
             (``torch.backends.cuda.matmul.allow_tf32``, off by default).
+        edits: the :class:`~nnvllm.edits.Edit` s of :func:`nnvllm.generate`, made with transformers
+            hooks at every forward (the same rows: all, prompt or fed-back positions).
 
     The other arguments are those of :func:`nnvllm.generate`. Sampling (temperature > 0) uses
     torch's RNG seeded with ``seed``, so its draws differ from vLLM's; pass ``tokens`` to compare.
@@ -169,6 +172,9 @@ def reference(
     cfg = json.loads((Path(path) / "config.json").read_text()) if Path(path).is_dir() else model.config.to_dict()
     arch = arch_for(cfg.get("architectures"), where=repr(path))
     arch.check_sites(sites)
+    from . import edits as _edits
+
+    edit_list = _edits.resolve(edits, arch, len(model.get_submodule(arch.blocks)), None)
     layer_ids = _validate.layers(layers, len(model.get_submodule(arch.blocks)))
     if sites and not layer_ids:
         raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
@@ -189,27 +195,33 @@ def reference(
               resid=[] if layer_ids else None, layers=layer_ids, sites={s: [] for s in wanted if s != "resid"},
               sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             top_k=top_k, ignore_eos=ignore_eos),
-              meta=dict(engine="transformers", model=str(path), dtype=dtype, tp=1, device=str(device)))
+              meta=dict(engine="transformers", model=str(path), dtype=dtype, tp=1, device=str(device),
+                        **({"edits": [e.describe() for e in edit_list]} if edit_list else {})))
     run.tokenizer = tok  # for labels (Run.plot); not saved with the run
     for i, prompt in enumerate(prompts):
         p_ids = tok.encode(prompt)
-        if tokens is not None:
-            toks = list(tokens[i])
-        else:
-            toks = []
-            for _ in range(max_tokens):
-                with torch.no_grad():
-                    last = model(torch.tensor([p_ids + toks], device=model.device)).logits[0, -1].float().cpu()
-                if temperature == 0:
-                    nxt = int(last.argmax())
-                else:
-                    probs = sampling_probs(last[None], temperature, top_p)[0]
-                    nxt = int(torch.multinomial(probs, 1, generator=gen))
-                toks.append(nxt)
-                if nxt == eos and not ignore_eos:
-                    break
-        seq = p_ids + toks[:-1]
-        lg, acts = _forward_capture(model, arch, seq, layer_ids, wanted)
+        handles = _edits.hf_hooks(model, arch, edit_list, len(p_ids))  # the same edits, by hooks
+        try:
+            if tokens is not None:
+                toks = list(tokens[i])
+            else:
+                toks = []
+                for _ in range(max_tokens):
+                    with torch.no_grad():
+                        last = model(torch.tensor([p_ids + toks], device=model.device)).logits[0, -1].float().cpu()
+                    if temperature == 0:
+                        nxt = int(last.argmax())
+                    else:
+                        probs = sampling_probs(last[None], temperature, top_p)[0]
+                        nxt = int(torch.multinomial(probs, 1, generator=gen))
+                    toks.append(nxt)
+                    if nxt == eos and not ignore_eos:
+                        break
+            seq = p_ids + toks[:-1]
+            lg, acts = _forward_capture(model, arch, seq, layer_ids, wanted)
+        finally:
+            for h in handles:
+                h.remove()
         step_logits = lg[len(p_ids) - 1:]
         run.prompt_ids.append(p_ids)
         run.tokens.append(toks)

@@ -1,0 +1,217 @@
+"""Change the model while it generates: steering, ablation, scaling (``nv.generate(..., edits=[...])``).
+
+An :class:`Edit` names a site (``resid``, ``attn``, ``mlp``, ``mlp_in``, ``mlp_act``), the blocks it
+applies to, which positions (``"all"``, ``"prompt"`` or ``"generated"``: the fed-back tokens) and what
+it does to each of those rows:
+
+- ``Edit.add(vector, layers, scale=1.0)``: ``x + scale * vector`` (steering);
+- ``Edit.set(value, layers)``: ``x = value`` (a float, e.g. 0 to ablate, or a vector);
+- ``Edit.scale(factor, layers)``: ``x * factor``.
+
+On the engine the edits run in the same permanent hooks that record activations (worker side, no
+per-request Python): every row of the batch that the position rule selects is edited in place, at
+every step, before it is recorded, so the :class:`~nnvllm.Run` shows the edited values. An engine
+that replays CUDA graphs runs the steps of an edited generation eagerly. :func:`nnvllm.reference`
+takes the same edits and makes them with transformers hooks (the tests compare the two).
+
+For the residual stream of a Llama-style block (vLLM returns ``(hidden, residual)``, whose sum is
+the stream), ``add`` adds to the stream, ``set`` and ``scale`` make the edited value the whole
+stream. Edits apply to every prompt of the call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["Edit", "steering_vector"]
+
+_OPS = ("add", "set", "scale")
+_POSITIONS = ("all", "prompt", "generated")
+_FULL_WIDTH = ("resid", "attn", "mlp")  # the same on every tensor-parallel rank
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One edit; build it with :meth:`add`, :meth:`set` or :meth:`scale`.
+
+    Attributes:
+        op: ``"add"``, ``"set"`` or ``"scale"``.
+        site: where (``"resid"`` by default).
+        layers: block indices (negative counts from the end).
+        vector: ``[width]`` for ``add`` and a vector ``set``, else None.
+        value: the float of a scalar ``set``, else None.
+        factor: ``add``'s scale or ``scale``'s factor (1.0 for ``set``).
+        positions: ``"all"``, ``"prompt"`` or ``"generated"``.
+    """
+
+    op: str
+    site: str
+    layers: tuple[int, ...]
+    vector: Tensor | None = None
+    value: float | None = None
+    factor: float = 1.0
+    positions: str = "all"
+
+    @classmethod
+    def add(cls, vector, layers, scale: float = 1.0, *, site: str = "resid", positions: str = "all") -> Edit:
+        """Add ``scale * vector`` (``[width]``) to ``site`` at ``layers`` (steering)."""
+        return cls._make("add", site, layers, vector=vector, factor=scale, positions=positions)
+
+    @classmethod
+    def set(cls, value, layers, *, site: str = "resid", positions: str = "all") -> Edit:
+        """Set ``site`` at ``layers`` to ``value`` (a float, e.g. ``0.0`` to ablate, or a ``[width]`` vector)."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return cls._make("set", site, layers, value=float(value), positions=positions)
+        return cls._make("set", site, layers, vector=value, positions=positions)
+
+    @classmethod
+    def scale(cls, factor: float, layers, *, site: str = "resid", positions: str = "all") -> Edit:
+        """Multiply ``site`` at ``layers`` by ``factor``."""
+        return cls._make("scale", site, layers, factor=factor, positions=positions)
+
+    @classmethod
+    def _make(cls, op, site, layers, *, vector=None, value=None, factor=1.0, positions="all") -> Edit:
+        from .arch import SITES
+
+        if site not in SITES:
+            raise ValueError(f"site={site!r}; expected one of {list(SITES)}")
+        if positions not in _POSITIONS:
+            raise ValueError(f"positions={positions!r}; expected one of {list(_POSITIONS)}")
+        if isinstance(layers, bool) or not isinstance(layers, (int, list, tuple, range)):
+            raise TypeError(f"layers={layers!r}; expected a block index or a list of them")
+        layers = (layers,) if isinstance(layers, int) else tuple(layers)
+        if not layers or not all(isinstance(j, int) and not isinstance(j, bool) for j in layers):
+            raise ValueError(f"layers={layers!r}; expected one or more block indices (ints)")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
+            raise ValueError(f"scale/factor={factor!r}; expected a finite number")
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"value={value!r}; expected a finite number")
+        if vector is not None:
+            vector = torch.as_tensor(vector).detach().float().cpu()
+            if vector.ndim != 1 or not vector.numel():
+                raise ValueError(f"vector has shape {tuple(vector.shape)}; expected [width], e.g. [d_model] for "
+                                 "the residual stream (nv.steering_vector makes one)")
+            if not torch.isfinite(vector).all():
+                raise ValueError("vector holds NaN or inf")
+        return cls(op, site, layers, vector, value, float(factor), positions)
+
+    def describe(self) -> dict[str, Any]:
+        """What a Run records of this edit (JSON; a vector as its width and norm)."""
+        d: dict[str, Any] = {"op": self.op, "site": self.site, "layers": list(self.layers), "positions": self.positions}
+        if self.op != "set":
+            d["scale" if self.op == "add" else "factor"] = self.factor
+        if self.vector is not None:
+            d["vector"] = {"width": int(self.vector.numel()), "norm": float(self.vector.norm())}
+        if self.value is not None:
+            d["value"] = self.value
+        return d
+
+
+def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str, int] | None, tp: int = 1) -> list[Edit]:
+    """Check ``edits`` against a model (sites it offers, layers it has, vector widths); negative
+    layers become block indices. Raises ValueError / TypeError saying what to fix."""
+    if edits is None:
+        return []
+    if isinstance(edits, Edit):
+        edits = [edits]
+    if not isinstance(edits, (list, tuple)) or not all(isinstance(e, Edit) for e in edits):
+        raise TypeError("edits must be a list of nv.Edit (Edit.add / Edit.set / Edit.scale)")
+    out = []
+    for e in edits:
+        arch.check_sites([e.site])
+        layers = []
+        for j in e.layers:
+            if not -n_layers <= j < n_layers:
+                raise ValueError(f"edit at layer {j}: the model has {n_layers} blocks (0..{n_layers - 1})")
+            layers.append(j % n_layers)
+        if e.vector is not None:
+            if tp > 1 and e.site not in _FULL_WIDTH:
+                raise ValueError(f"a vector edit at site {e.site!r} under tensor parallelism (each rank holds a "
+                                 f"slice of it) is not supported; use {list(_FULL_WIDTH)} or a scalar")
+            want = (widths or {}).get(e.site)
+            if want is not None and e.vector.numel() != want:
+                raise ValueError(f"edit vector has width {e.vector.numel()}; site {e.site!r} of this model is "
+                                 f"{want} wide")
+        out.append(Edit(e.op, e.site, tuple(layers), e.vector, e.value, e.factor, e.positions))
+    return out
+
+
+def site_widths(model) -> dict[str, int]:
+    """Full widths of each site from the model's config (what an edit vector must match)."""
+    cfg = getattr(model, "config", None)
+    d = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    if not d:
+        return {}
+    d_mlp = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * d
+    merged = getattr(getattr(model, "arch", None), "merged_gate_up", False)
+    return {"resid": d, "attn": d, "mlp": d, "mlp_act": d_mlp, "mlp_in": d_mlp * (2 if merged else 1)}
+
+
+def to_spec(edits: list[Edit]) -> list[dict]:
+    """The plain form the engine's worker arms (lists, no tensors: RPCs serialize it)."""
+    return [{"op": e.op, "site": e.site, "layers": list(e.layers), "positions": e.positions, "scale": e.factor,
+             "value": e.value, "vector": None if e.vector is None else e.vector.tolist()} for e in edits]
+
+
+def hf_hooks(model, arch, edits: list[Edit], plen: int) -> list:
+    """Register the same edits on a transformers model (for :func:`nnvllm.reference`); returns handles.
+
+    ``plen`` is the prompt length of the sequence the next forwards run over (one prompt at a time).
+    """
+    blocks = model.get_submodule(arch.blocks)
+    handles = []
+
+    def edited(e: Edit, x: Tensor, part: int = 0, parts: int = 1) -> Tensor:
+        pos = torch.arange(x.shape[-2], device=x.device)
+        m = None if e.positions == "all" else (pos < plen if e.positions == "prompt" else pos >= plen)
+        vec = e.vector
+        if vec is not None and parts > 1:  # a merged site split in transformers: this part's slice
+            vec = vec.chunk(parts)[part]
+        if e.op == "add":
+            new = x + (vec * e.factor).to(device=x.device, dtype=x.dtype)
+        elif e.op == "set":
+            new = vec.to(device=x.device, dtype=x.dtype).expand_as(x) if vec is not None else torch.full_like(x, e.value)
+        else:
+            new = x * e.factor
+        return new if m is None else torch.where(m[:, None], new, x)
+
+    for e in edits:
+        paths, side = arch.hf_site(e.site)
+        parts = paths if isinstance(paths, tuple) else (paths,)
+        for j in e.layers:
+            for k, p in enumerate(parts):
+                mod = blocks[j].get_submodule(p) if p else blocks[j]
+                if side == "input":
+                    def pre(m, args, e=e, k=k):
+                        return (edited(e, args[0], k, len(parts)),) + tuple(args[1:])
+                    handles.append(mod.register_forward_pre_hook(pre))
+                else:
+                    def post(m, args, out, e=e, k=k):
+                        if isinstance(out, tuple):
+                            return (edited(e, out[0], k, len(parts)),) + tuple(out[1:])
+                        return edited(e, out, k, len(parts))
+                    handles.append(mod.register_forward_hook(post))
+    return handles
+
+
+def steering_vector(model, positive: Sequence[str], negative: Sequence[str], layer: int) -> Tensor:
+    """The mean difference of the residual stream after block ``layer`` at each prompt's last token,
+    ``mean(positive) - mean(negative)`` (contrastive prompts): a direction for :meth:`Edit.add`.
+
+    Example:
+        >>> v = nv.steering_vector(model, ["The capital of Italy is"], ["The capital of France is"], layer=3)  # doctest: +SKIP
+        >>> run = nv.generate(model, "The capital of France is", edits=[nv.Edit.add(v, layers=3, scale=2)])  # doctest: +SKIP
+    """
+    from .capture import generate
+
+    for name, ps in (("positive", positive), ("negative", negative)):
+        if isinstance(ps, str) or not ps:
+            raise ValueError(f"{name} must be a non-empty list of prompts")
+    run = generate(model, list(positive) + list(negative), max_tokens=1, layers=[layer], logits=False)
+    last = torch.stack([r[0, len(p) - 1].float() for r, p in zip(run.resid, run.prompt_ids)])
+    return last[: len(positive)].mean(0) - last[len(positive):].mean(0)

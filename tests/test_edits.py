@@ -1,0 +1,101 @@
+"""Edits while generating (issue 12, part): steering, ablation and scaling, on the engine's worker,
+against the same edits made with transformers hooks (nv.reference(..., edits=...)).
+
+On the embedded toy model (GPT-2 layout) and a tiny Llama (whose blocks return (hidden, residual):
+``set`` and ``scale`` of the stream must make the edited value the whole stream). With ``--tp 2``
+the same tests run on a tensor-parallel engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nnvllm as nv
+from conftest import engine_kwargs
+
+PROMPTS = ["The capital of France is", "Paris is the capital of"]
+TOL = 1e-3  # fp32, CPU; the fidelity fixture calibrates it on a GPU
+
+
+@pytest.fixture(scope="module", params=["toy", "llama"])
+def model(request, toy_path, tiny_paths, tp):
+    path = toy_path if request.param == "toy" else tiny_paths["llama"]
+    m = nv.load(path, **engine_kwargs(tp))
+    yield request.param, path, m
+    m.close()
+
+
+def _edits(d: int, d_mlp: int, n_layers: int):
+    g = torch.Generator().manual_seed(0)
+    return {
+        "steer resid, all positions": nv.Edit.add(torch.randn(d, generator=g), layers=[1], scale=3.0),
+        "steer resid, generated only, two layers": nv.Edit.add(torch.randn(d, generator=g), layers=[0, -1],
+                                                               scale=2.0, positions="generated"),
+        "ablate attn at generated positions": nv.Edit.set(0.0, layers=[n_layers // 2], site="attn",
+                                                          positions="generated"),
+        "set resid to a vector on the prompt": nv.Edit.set(torch.randn(d, generator=g), layers=[1],
+                                                           positions="prompt"),
+        "scale resid": nv.Edit.scale(0.25, layers=[0]),
+        "scale mlp on the prompt": nv.Edit.scale(0.5, layers=[0, 1], site="mlp", positions="prompt"),
+        "zero mlp_act": nv.Edit.set(0.0, layers=[1], site="mlp_act"),
+    }
+
+
+def test_each_edit_equals_the_same_edit_with_transformers_hooks(model, fidelity, tp):
+    kind, path, m = model
+    d = m.config.hidden_size
+    d_mlp = getattr(m.config, "intermediate_size", None) or getattr(m.config, "n_inner", None) or 4 * d
+    clean = nv.generate(m, PROMPTS, max_tokens=4, ignore_eos=True)
+    moved = 0
+    for name, e in _edits(d, d_mlp, m.n_layers).items():
+        if tp > 1 and e.site == "mlp_act" and e.vector is not None:
+            continue
+        run = nv.generate(m, PROMPTS, max_tokens=4, ignore_eos=True, edits=[e], sites=["attn", "mlp"])
+        hf = fidelity.reference(path, PROMPTS, max_tokens=4, ignore_eos=True, edits=[e], sites=["attn", "mlp"])
+        assert run.tokens == hf.value.tokens, (kind, name)
+        for i in range(len(PROMPTS)):
+            hf.check(run.resid[i], TOL, lambda r, i=i: r.resid[i], f"{kind} {name}: resid[{i}]")
+            hf.check(run.logits[i], TOL, lambda r, i=i: r.logits[i], f"{kind} {name}: logits[{i}]")
+            hf.check(run.sites["attn"][i], TOL, lambda r, i=i: r.sites["attn"][i], f"{kind} {name}: attn[{i}]")
+        assert run.meta["edits"] == [e.describe() | {"layers": [j % m.n_layers for j in e.layers]}]
+        # the edit did something: the stream moved somewhere after the first edited layer
+        moved += max((a - b).abs().max().item() for a, b in zip(run.resid, clean.resid)) > 1e-2
+    assert moved >= 5
+    again = nv.generate(m, PROMPTS, max_tokens=4, ignore_eos=True)  # nothing left armed
+    assert again.tokens == clean.tokens and torch.equal(again.resid[0], clean.resid[0])
+
+
+def test_steering_vector_from_contrastive_prompts_and_compare(model):
+    kind, path, m = model
+    v = nv.steering_vector(m, ["The capital of Italy is", "Rome is the capital of"],
+                           ["The capital of France is", "Paris is the capital of"], layer=1)
+    assert v.shape == (m.config.hidden_size,) and v.norm() > 0
+    run = nv.generate(m, PROMPTS[0], max_tokens=1, layers=[1], logits=False)
+    base = nv.generate(m, ["The capital of Italy is", "Rome is the capital of", "The capital of France is",
+                           "Paris is the capital of"], max_tokens=1, layers=[1], logits=False)
+    last = [r[0, len(p) - 1] for r, p in zip(base.resid, base.prompt_ids)]
+    assert torch.allclose(v, (last[0] + last[1]) / 2 - (last[2] + last[3]) / 2, atol=1e-5)
+    assert run.resid[0].shape[0] == 1
+    clean = nv.generate(m, PROMPTS, max_tokens=3, ignore_eos=True)
+    steered = nv.generate(m, PROMPTS, max_tokens=3, ignore_eos=True, edits=[nv.Edit.add(v, layers=1, scale=4.0)])
+    report = nv.compare(clean, steered)
+    assert report is not None
+
+
+def test_bad_edits_are_refused_before_the_engine_runs(model):
+    kind, path, m = model
+    d = m.config.hidden_size
+    with pytest.raises(ValueError, match=rf"width 3; site 'resid' of this model is {d} wide"):
+        nv.generate(m, PROMPTS[0], max_tokens=1, edits=[nv.Edit.add(torch.ones(3), layers=0)])
+    with pytest.raises(ValueError, match=rf"the model has {m.n_layers} blocks"):
+        nv.generate(m, PROMPTS[0], max_tokens=1, edits=[nv.Edit.scale(2.0, layers=[m.n_layers])])
+    with pytest.raises(TypeError, match="edits must be a list of nv.Edit"):
+        nv.generate(m, PROMPTS[0], max_tokens=1, edits=[{"op": "add"}])
+    with pytest.raises(ValueError, match="positions='decode'"):
+        nv.Edit.scale(2.0, layers=0, positions="decode")
+    with pytest.raises(ValueError, match="site='resdi'"):
+        nv.Edit.set(0.0, layers=0, site="resdi")
+    with pytest.raises(ValueError, match="expected \\[width\\]"):
+        nv.Edit.add(torch.ones(2, 2), layers=0)
+    assert nv.generate(m, PROMPTS[0], max_tokens=2).tokens  # the engine keeps working
