@@ -43,6 +43,13 @@ class NNsightCPUWorker(CaptureWorker, NNsightGPUWorker, CPUWorker):
 
         bind_stores_to_loopback()  # vLLM's torch.distributed store: loopback only (see there)
         CPUWorker.init_device(self)
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op that logs a warning, and its
+        # request renderer calls it for every request: in an in-process engine that is a warning per
+        # nv.generate in the notebook. The same no-op, silent.
+        import torch
+
+        if getattr(torch.set_num_threads, "__name__", "") == "skip_set_num_threads":
+            torch.set_num_threads = lambda n: None
         runner = self.model_runner
         if type(runner) is not CPUModelRunner:
             raise NotImplementedError(
