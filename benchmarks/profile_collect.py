@@ -3,7 +3,9 @@
     python benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 --budget 8GB --out DIR
 
 Writes ``DIR/profile_collect.json`` (wall times, per-shard timings) and ``DIR/profile_collect.txt``
-(the 40 costliest functions by cumulative and by own time). On a GPU this also needs the engine's
+(the 40 costliest functions by cumulative and by own time; cProfile sees the main thread only, the
+shard writers run in threads). Shards are written while the next chunk generates, so a chunk's
+``generate`` and ``write_shard`` overlap. On a GPU this also needs the engine's
 side: the worker timings of each chunk are in ``nnvllm.capture._LAST_TIMINGS`` after each generate.
 """
 
@@ -62,11 +64,12 @@ def main() -> None:
         chunks.append({"generate": time.perf_counter() - t0, "n": len(r), "worker": dict(capture._LAST_TIMINGS)})
         return r
 
-    def write(*a, **k):
+    def write(run, path, *a, **k):  # in a writer thread, while the next chunk generates
         t0 = time.perf_counter()
-        r = real_write(*a, **k)
-        chunks[-1]["write_shard"] = time.perf_counter() - t0
-        chunks[-1]["bytes"] = r["bytes"]
+        r = real_write(run, path, *a, **k)
+        c = chunks[int(Path(path).stem.split("-")[1])]  # shard k is the k-th chunk (a fresh dataset)
+        c["write_shard"] = time.perf_counter() - t0
+        c["bytes"] = r["bytes"]
         return r
 
     capture.generate, store.write_shard = gen, write

@@ -60,6 +60,7 @@ def cpu_defaults(tensor_parallel_size: int = 1) -> dict[str, Any]:
 
 
 GPU_SHARE_ENV = "NNVLLM_GPU_MEMORY_UTILIZATION"
+KV_CACHE_ENV = "NNVLLM_KV_CACHE_MEMORY_BYTES"
 
 
 def fit_gpu_memory(engine_args: dict[str, Any]) -> dict[str, Any]:
@@ -72,8 +73,19 @@ def fit_gpu_memory(engine_args: dict[str, Any]) -> dict[str, Any]:
     of the engine's fullest GPU when less than 98% is free; the first engine on an empty GPU gets
     vLLM's default unchanged. Read through NVML, so the notebook process creates no CUDA context.
     ``NNVLLM_GPU_MEMORY_UTILIZATION=0.3`` (say) gives every such engine that share instead, for
-    several engines or processes sharing a GPU (the GPU test lane sets it).
+    several engines or processes sharing a GPU (the GPU test lane sets it). ``NNVLLM_KV_CACHE_MEMORY_BYTES=1GiB``
+    gives engines whose caller sets no ``kv_cache_memory_bytes`` a fixed KV cache, which skips vLLM's
+    memory profiling: that profiling fails when another process frees GPU memory meanwhile (seen on a
+    shared H200: "Error in memory profiling ... other processes sharing the same container").
     """
+    kv = os.environ.get(KV_CACHE_ENV, "").strip()
+    if kv and "kv_cache_memory_bytes" not in engine_args:
+        from .store import parse_bytes
+
+        try:
+            engine_args = {**engine_args, "kv_cache_memory_bytes": parse_bytes(kv)}
+        except (ValueError, TypeError):
+            raise ValueError(f"{KV_CACHE_ENV}={kv!r}; expected a size such as '1GiB' or '512MB'") from None
     if "gpu_memory_utilization" in engine_args:  # (no NVML call needed)
         return engine_args
     env = os.environ.get(GPU_SHARE_ENV, "").strip()

@@ -38,5 +38,8 @@ def test_graph_engine_captures_and_patches_what_the_eager_engine_does(toy_path):
         assert torch.equal(graphs.logits[i], eager.logits[i])
         for s in ("attn", "mlp_act"):
             assert torch.equal(graphs.sites[s][i], eager.sites[s][i])
-    assert torch.equal(graphs_patch.patched_diff, eager_patch.patched_diff)
+    # nv.patch's traces run eagerly on both engines. Its results were bit-identical in one H200 run
+    # (lane_b) and ~1e-4 apart in another (bench_c: -6.8381 vs -6.8382 in one cell): two eager runs of
+    # the same batch, not graphs against eager. Within fp32 rounding of a logit difference of ~7.
+    assert (graphs_patch.patched_diff - eager_patch.patched_diff).abs().max() < 1e-3
     assert abs(graphs_patch.effect[-1, -1] - 1) < 1e-3  # the last block at the last position restores all

@@ -543,6 +543,13 @@ def test_a_fixed_gpu_share_for_engines_from_the_environment(monkeypatch):
         monkeypatch.setenv(GPU_SHARE_ENV, bad)
         with pytest.raises(ValueError, match="NNVLLM_GPU_MEMORY_UTILIZATION"):
             fit_gpu_memory({})
+    monkeypatch.setenv(GPU_SHARE_ENV, "0.3")
+    monkeypatch.setenv("NNVLLM_KV_CACHE_MEMORY_BYTES", "1GiB")
+    assert fit_gpu_memory({}) == {"gpu_memory_utilization": 0.3, "kv_cache_memory_bytes": 1 << 30}
+    assert fit_gpu_memory({"kv_cache_memory_bytes": 5})["kv_cache_memory_bytes"] == 5  # the caller's
+    monkeypatch.setenv("NNVLLM_KV_CACHE_MEMORY_BYTES", "lots")
+    with pytest.raises(ValueError, match="NNVLLM_KV_CACHE_MEMORY_BYTES='lots'"):
+        fit_gpu_memory({})
 
 
 def test_model_classes_leave_torch_cuda_alone():
