@@ -114,3 +114,43 @@ def test_harness_on_widget_notebook(needs_browser, tmp_path):
     seen = _drive(tmp_path, "harness.ipynb", ARTIFACTS / "harness_notebook.png")
     assert seen["changed"], "plot did not redraw after ArrowRight on the slider"
     assert (seen["before_value"], seen["after_value"]) == ("0", "1")
+
+
+TWO_ENGINE_CELLS = [
+    """\
+import os
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+import ipywidgets as W
+import nnvllm as nv
+first = nv.load()  # in-process (the CPU default)""",
+    "second = nv.load(isolate=True)  # in its own process",
+    """\
+P = "The capital of France is"
+a = nv.generate(first, P, max_tokens=2).text[0]
+b = nv.generate(second, P, max_tokens=2).text[0]
+live = len(nv.engines())
+first.close()
+c = nv.generate(second, P, max_tokens=2).text[0]  # closing one engine leaves the other working
+second.close()
+w = W.HTML(f"{a}|{b}|{c}|{live}|{len(nv.engines())}")
+w.add_class("nnvllm-two-engines")
+w""",
+]
+
+
+@pytest.mark.browser
+def test_two_engines_in_one_kernel_in_browser(needs_browser, tmp_path):
+    """Issue 14: a notebook cell sequence with two engines in one kernel (in-process, then isolated),
+    run from JupyterLab: both answer, closing the first leaves the second working, none is left."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in TWO_ENGINE_CELLS]
+    nbformat.write(nb, tmp_path / "two_engines.ipynb")
+    with browser.jupyterlab(tmp_path) as lab, browser.chromium() as ctx:
+        page = browser.open_notebook(ctx, lab, "two_engines.ipynb")
+        browser.run_all(page, timeout=420)
+        text = browser.widget(page, "nnvllm-two-engines").inner_text(timeout=60_000)
+        browser.screenshot(page, ARTIFACTS / "two_engines.png")
+    assert [x.strip() for x in text.split("|")] == ["Paris.", "Paris.", "Paris.", "2", "0"], text
