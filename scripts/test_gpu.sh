@@ -84,6 +84,10 @@ EOF
 gpus=$( (command -v nvidia-smi >/dev/null && nvidia-smi -L 2>&1 || echo "no nvidia-smi") | tr '\n' ';' | sed 's/;$//')
 rev=$(git rev-parse --short HEAD 2>/dev/null || echo "no git")
 dirty=$(git status --porcelain 2>/dev/null | grep -qv '^??' && echo "+local changes" || true)
+# A copy of a working tree can carry a stale HEAD (the lent GPU machine's does): name the code that
+# ran by a hash of its files too (compare with the same command on the machine that sent it).
+code=$(find nnvllm tests scripts -name '*.py' -o -name '*.sh' 2>/dev/null | LC_ALL=C sort | xargs cat 2>/dev/null | sha256sum | cut -c1-12)
+rev="$rev (code $code)"
 
 declare -a names rcs secs
 failed=0
