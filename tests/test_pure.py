@@ -622,7 +622,8 @@ def test_a_loopback_rendezvous_listens_on_loopback_only():
     from nnvllm._compat import bind_stores_to_loopback
 
     rdzv = importlib.import_module("torch.distributed.rendezvous")
-    real = rdzv.TCPStore
+    before = rdzv.TCPStore  # an in-process engine of an earlier test may have wrapped it already
+    rdzv.TCPStore = getattr(before, "_nnvllm_real", before)  # torch's own
 
     def store_on_a_free_port():
         s = socket.socket()
@@ -635,10 +636,10 @@ def test_a_loopback_rendezvous_listens_on_loopback_only():
         return [c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
 
-    port, plain = store_on_a_free_port()
-    assert listening(port) and listening(port)[0] not in ("127.0.0.1", "::1")  # what torch does alone
-    del plain
     try:
+        port, plain = store_on_a_free_port()
+        assert listening(port) and listening(port)[0] not in ("127.0.0.1", "::1")  # what torch does alone
+        del plain
         bind_stores_to_loopback()
         bind_stores_to_loopback()  # twice: still one wrapper
         port, store = store_on_a_free_port()
@@ -646,7 +647,7 @@ def test_a_loopback_rendezvous_listens_on_loopback_only():
         store.set("k", b"v")
         assert store.get("k") == b"v"
     finally:
-        rdzv.TCPStore = real
+        rdzv.TCPStore = before
 
 
 def test_a_failed_engine_start_names_the_first_error_in_its_log(tmp_path):
