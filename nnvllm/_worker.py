@@ -85,7 +85,7 @@ class _Taps:
             self.sites.append(site)
         self.in_graph: set[str] = set()  # sites whose copy is recorded in the CUDA graphs
         self.edits: list[dict] = []  # armed edits (see arm_edits); applied in eager steps only
-        self._prompt_rows: torch.Tensor | None = None  # this forward's "row is a prompt position" mask
+        self._prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # this forward's (positions, is-prompt)
 
     # ---- edits (nv.generate(..., edits=[...]))
     def arm_edits(self, edits: list[dict]) -> None:
@@ -93,14 +93,23 @@ class _Taps:
         (list of floats) or None, "value", "scale", "positions": all|prompt|generated}``."""
         armed = []
         for e in edits:
-            vec = e.get("vector")
-            armed.append({**e, "layers": set(e["layers"]),
-                          "vec": None if vec is None else torch.tensor(vec, dtype=torch.float32, device=self.device)})
+            vec, vals = e.get("vector"), e.get("values")
+            armed.append({**e, "layers": {j: k for k, j in enumerate(e["layers"])},
+                          "vec": None if vec is None else torch.tensor(vec, dtype=torch.float32, device=self.device),
+                          "vals": None if vals is None else torch.tensor(vals, dtype=torch.float32, device=self.device)})
         self.edits = armed
 
     def _rows_mask(self, positions: str, n: int, device) -> torch.Tensor | None:
         if positions == "all":
             return None
+        pos, prompt = self._row_positions(device)
+        m = prompt if positions == "prompt" else ~prompt
+        if m.shape[0] < n:  # rows vLLM padded: never edited
+            m = torch.cat([m, torch.zeros(n - m.shape[0], dtype=torch.bool, device=device)])
+        return m[:n]
+
+    def _row_positions(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's per-row position and "is a prompt position" (computed once per step)."""
         if self._prompt_rows is None:
             r = self.runner
             nreq = r.input_batch.num_reqs
@@ -108,11 +117,8 @@ class _Taps:
             plen = np.array([_prompt_len(r.requests[i]) for i in r.input_batch.req_ids[:nreq]], dtype=np.int64)
             row_plen = torch.from_numpy(np.repeat(plen, np.diff(qsl))).to(device)
             pos = r.positions[: int(qsl[-1])].to(device)
-            self._prompt_rows = pos < row_plen
-        m = self._prompt_rows if positions == "prompt" else ~self._prompt_rows
-        if m.shape[0] < n:  # rows vLLM padded: never edited
-            m = torch.cat([m, torch.zeros(n - m.shape[0], dtype=torch.bool, device=device)])
-        return m[:n]
+            self._prompt_rows = (pos, pos < row_plen)
+        return self._prompt_rows
 
     def _apply_edits(self, site: str, j: int, x: torch.Tensor, residual: torch.Tensor | None = None) -> None:
         """Edit ``x`` in place (and ``residual``: for a Llama-style block the stream is their sum)."""
@@ -121,7 +127,17 @@ class _Taps:
                 continue
             m = self._rows_mask(e["positions"], x.shape[0], x.device)
             op, vec = e["op"], e["vec"]
-            if op == "add":
+            if op == "patch":  # another run's value at each row's position, where it has one
+                src = e["vals"][e["layers"][j]]  # [P, width]
+                pos = self._row_positions(x.device)[0]
+                if pos.shape[0] < x.shape[0]:
+                    pos = torch.cat([pos, torch.full((x.shape[0] - pos.shape[0],), src.shape[0], device=x.device,
+                                                     dtype=pos.dtype)])
+                pos = pos[: x.shape[0]]
+                inside = pos < src.shape[0]
+                new = src[pos.clamp(max=src.shape[0] - 1)].to(x.dtype)
+                m = inside if m is None else (m & inside)
+            elif op == "add":
                 new = x + (vec * e["scale"]).to(x.dtype)
             elif op == "set":
                 new = (vec.to(x.dtype).expand_as(x) if vec is not None else torch.full_like(x, float(e["value"])))

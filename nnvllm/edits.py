@@ -6,7 +6,8 @@ it does to each of those rows:
 
 - ``Edit.add(vector, layers, scale=1.0)``: ``x + scale * vector`` (steering);
 - ``Edit.set(value, layers)``: ``x = value`` (a float, e.g. 0 to ablate, or a vector);
-- ``Edit.scale(factor, layers)``: ``x * factor``.
+- ``Edit.scale(factor, layers)``: ``x * factor``;
+- ``Edit.patch(run, layers)``: another run's value at the same position (patching over a generation).
 
 On the engine the edits run in the same permanent hooks that record activations (worker side, no
 per-request Python): every row of the batch that the position rule selects is edited in place, at
@@ -30,7 +31,7 @@ from torch import Tensor
 
 __all__ = ["Edit", "steering_vector"]
 
-_OPS = ("add", "set", "scale")
+_OPS = ("add", "set", "scale", "patch")
 _POSITIONS = ("all", "prompt", "generated")
 _FULL_WIDTH = ("resid", "attn", "mlp")  # the same on every tensor-parallel rank
 
@@ -47,6 +48,7 @@ class Edit:
         value: the float of a scalar ``set``, else None.
         factor: ``add``'s scale or ``scale``'s factor (1.0 for ``set``).
         positions: ``"all"``, ``"prompt"`` or ``"generated"``.
+        values: ``[len(layers), pos, width]`` for ``patch``: another run's values, position by position.
     """
 
     op: str
@@ -56,6 +58,7 @@ class Edit:
     value: float | None = None
     factor: float = 1.0
     positions: str = "all"
+    values: Tensor | None = None  # [layer, pos, width] for "patch": the source run's values
 
     @classmethod
     def add(cls, vector, layers, scale: float = 1.0, *, site: str = "resid", positions: str = "all") -> Edit:
@@ -70,12 +73,39 @@ class Edit:
         return cls._make("set", site, layers, vector=value, positions=positions)
 
     @classmethod
+    def patch(cls, source, layers, *, site: str = "resid", request: int = 0, positions: str = "all") -> Edit:
+        """Replace ``site`` at ``layers`` with another run's values, position by position (activation
+        patching over a whole generation): row ``p`` gets ``source``'s value at position ``p`` of
+        request ``request``; positions past the source's are left alone.
+
+        Args:
+            source: a :class:`~nnvllm.Run` that captured ``site`` at ``layers`` (e.g. the clean run).
+        """
+        from .results import Run
+
+        if not isinstance(source, Run):
+            raise TypeError(f"source must be an nnvllm Run (from nv.generate or nv.reference), got {type(source).__name__}")
+        per = source.resid if site == "resid" else source.sites.get(site)
+        if per is None:
+            raise ValueError(f"the source run did not capture site {site!r}; generate it with sites=[{site!r}]")
+        if isinstance(request, bool) or not isinstance(request, int) or not 0 <= request < len(source):
+            raise ValueError(f"request={request!r}; the source run has {len(source)} request(s)")
+        layers = [layers] if isinstance(layers, int) and not isinstance(layers, bool) else list(layers)
+        missing = [j for j in layers if j not in source.layers]
+        if missing:
+            raise ValueError(f"layers={missing} are not among the layers the source run captured "
+                             f"({source.layers}); give block indices it has (0 and up)")
+        rows = [source.layers.index(j) for j in layers]
+        values = per[request][rows].detach().float().cpu()
+        return cls._make("patch", site, layers, positions=positions, values=values)
+
+    @classmethod
     def scale(cls, factor: float, layers, *, site: str = "resid", positions: str = "all") -> Edit:
         """Multiply ``site`` at ``layers`` by ``factor``."""
         return cls._make("scale", site, layers, factor=factor, positions=positions)
 
     @classmethod
-    def _make(cls, op, site, layers, *, vector=None, value=None, factor=1.0, positions="all") -> Edit:
+    def _make(cls, op, site, layers, *, vector=None, value=None, factor=1.0, positions="all", values=None) -> Edit:
         from .arch import SITES
 
         if site not in SITES:
@@ -98,17 +128,19 @@ class Edit:
                                  "the residual stream (nv.steering_vector makes one)")
             if not torch.isfinite(vector).all():
                 raise ValueError("vector holds NaN or inf")
-        return cls(op, site, layers, vector, value, float(factor), positions)
+        return cls(op, site, layers, vector, value, float(factor), positions, values)
 
     def describe(self) -> dict[str, Any]:
         """What a Run records of this edit (JSON; a vector as its width and norm)."""
         d: dict[str, Any] = {"op": self.op, "site": self.site, "layers": list(self.layers), "positions": self.positions}
-        if self.op != "set":
+        if self.op in ("add", "scale"):
             d["scale" if self.op == "add" else "factor"] = self.factor
         if self.vector is not None:
             d["vector"] = {"width": int(self.vector.numel()), "norm": float(self.vector.norm())}
         if self.value is not None:
             d["value"] = self.value
+        if self.values is not None:
+            d["values"] = {"positions": int(self.values.shape[1]), "width": int(self.values.shape[2])}
         return d
 
 
@@ -129,6 +161,13 @@ def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str,
             if not -n_layers <= j < n_layers:
                 raise ValueError(f"edit at layer {j}: the model has {n_layers} blocks (0..{n_layers - 1})")
             layers.append(j % n_layers)
+        if e.values is not None:
+            if tp > 1 and e.site not in _FULL_WIDTH:
+                raise ValueError(f"patching site {e.site!r} under tensor parallelism (each rank holds a slice of "
+                                 f"it) is not supported; use {list(_FULL_WIDTH)}")
+            want = (widths or {}).get(e.site)
+            if want is not None and e.values.shape[-1] != want:
+                raise ValueError(f"the source run's {e.site!r} is {e.values.shape[-1]} wide; this model's is {want}")
         if e.vector is not None:
             if tp > 1 and e.site not in _FULL_WIDTH:
                 raise ValueError(f"a vector edit at site {e.site!r} under tensor parallelism (each rank holds a "
@@ -137,7 +176,7 @@ def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str,
             if want is not None and e.vector.numel() != want:
                 raise ValueError(f"edit vector has width {e.vector.numel()}; site {e.site!r} of this model is "
                                  f"{want} wide")
-        out.append(Edit(e.op, e.site, tuple(layers), e.vector, e.value, e.factor, e.positions))
+        out.append(Edit(e.op, e.site, tuple(layers), e.vector, e.value, e.factor, e.positions, e.values))
     return out
 
 
@@ -155,7 +194,8 @@ def site_widths(model) -> dict[str, int]:
 def to_spec(edits: list[Edit]) -> list[dict]:
     """The plain form the engine's worker arms (lists, no tensors: RPCs serialize it)."""
     return [{"op": e.op, "site": e.site, "layers": list(e.layers), "positions": e.positions, "scale": e.factor,
-             "value": e.value, "vector": None if e.vector is None else e.vector.tolist()} for e in edits]
+             "value": e.value, "vector": None if e.vector is None else e.vector.tolist(),
+             "values": None if e.values is None else e.values.tolist()} for e in edits]
 
 
 def hf_hooks(model, arch, edits: list[Edit], plen: int) -> list:
@@ -166,13 +206,22 @@ def hf_hooks(model, arch, edits: list[Edit], plen: int) -> list:
     blocks = model.get_submodule(arch.blocks)
     handles = []
 
-    def edited(e: Edit, x: Tensor, part: int = 0, parts: int = 1) -> Tensor:
+    def edited(e: Edit, x: Tensor, part: int = 0, parts: int = 1, e_layer: int = 0) -> Tensor:
         pos = torch.arange(x.shape[-2], device=x.device)
         m = None if e.positions == "all" else (pos < plen if e.positions == "prompt" else pos >= plen)
         vec = e.vector
         if vec is not None and parts > 1:  # a merged site split in transformers: this part's slice
             vec = vec.chunk(parts)[part]
-        if e.op == "add":
+        if e.op == "patch":
+            src = e.values[e_layer].to(device=x.device, dtype=x.dtype)  # [P, width]
+            if parts > 1:
+                src = src.chunk(parts, dim=-1)[part]
+            n = min(src.shape[0], x.shape[-2])
+            new = x.clone()
+            new[..., :n, :] = src[:n]
+            inside = pos < src.shape[0]
+            m = inside if m is None else (m & inside)
+        elif e.op == "add":
             new = x + (vec * e.factor).to(device=x.device, dtype=x.dtype)
         elif e.op == "set":
             new = vec.to(device=x.device, dtype=x.dtype).expand_as(x) if vec is not None else torch.full_like(x, e.value)
@@ -183,18 +232,18 @@ def hf_hooks(model, arch, edits: list[Edit], plen: int) -> list:
     for e in edits:
         paths, side = arch.hf_site(e.site)
         parts = paths if isinstance(paths, tuple) else (paths,)
-        for j in e.layers:
+        for li, j in enumerate(e.layers):
             for k, p in enumerate(parts):
                 mod = blocks[j].get_submodule(p) if p else blocks[j]
                 if side == "input":
-                    def pre(m, args, e=e, k=k):
-                        return (edited(e, args[0], k, len(parts)),) + tuple(args[1:])
+                    def pre(m, args, e=e, k=k, li=li):
+                        return (edited(e, args[0], k, len(parts), li),) + tuple(args[1:])
                     handles.append(mod.register_forward_pre_hook(pre))
                 else:
-                    def post(m, args, out, e=e, k=k):
+                    def post(m, args, out, e=e, k=k, li=li):
                         if isinstance(out, tuple):
-                            return (edited(e, out[0], k, len(parts)),) + tuple(out[1:])
-                        return edited(e, out, k, len(parts))
+                            return (edited(e, out[0], k, len(parts), li),) + tuple(out[1:])
+                        return edited(e, out, k, len(parts), li)
                     handles.append(mod.register_forward_hook(post))
     return handles
 

@@ -99,3 +99,28 @@ def test_bad_edits_are_refused_before_the_engine_runs(model):
     with pytest.raises(ValueError, match="expected \\[width\\]"):
         nv.Edit.add(torch.ones(2, 2), layers=0)
     assert nv.generate(m, PROMPTS[0], max_tokens=2).tokens  # the engine keeps working
+
+
+def test_patching_a_whole_generation_from_another_run(model, fidelity):
+    """Edit.patch: another run's values, position by position, over a whole generation."""
+    kind, path, m = model
+    clean_p, corrupt_p = "The capital of France is", "The capital of Italy is"
+    clean = nv.generate(m, clean_p, max_tokens=4, ignore_eos=True, sites=["attn"])
+    whole = nv.Edit.patch(clean, layers=[1])  # the clean stream after block 1, every position
+    run = nv.generate(m, corrupt_p, max_tokens=4, ignore_eos=True, edits=[whole])
+    # From block 1 on, the corrupt prompt's generation is the clean one.
+    assert run.tokens == clean.tokens
+    assert (run.resid[0][1:] - clean.resid[0][1:]).abs().max() < TOL
+    hf = fidelity.reference(path, corrupt_p, max_tokens=4, ignore_eos=True, edits=[whole])
+    assert hf.value.tokens == run.tokens
+    hf.check(run.resid[0], TOL, lambda r: r.resid[0], f"{kind} patched resid")
+    part = nv.Edit.patch(clean, layers=[0, 1], site="attn", positions="prompt")
+    run = nv.generate(m, corrupt_p, max_tokens=4, ignore_eos=True, edits=[part], sites=["attn"])
+    hf = fidelity.reference(path, corrupt_p, max_tokens=4, ignore_eos=True, edits=[part], sites=["attn"])
+    assert hf.value.tokens == run.tokens
+    hf.check(run.sites["attn"][0], TOL, lambda r: r.sites["attn"][0], f"{kind} patched attn")
+    assert run.meta["edits"][0]["op"] == "patch"
+    with pytest.raises(ValueError, match="did not capture site 'mlp'"):
+        nv.Edit.patch(clean, layers=[1], site="mlp")
+    with pytest.raises(ValueError, match="not among the layers the source run captured"):
+        nv.Edit.patch(nv.generate(m, clean_p, max_tokens=1, layers=[0]), layers=[1])
