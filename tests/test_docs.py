@@ -35,6 +35,9 @@ def test_readme_block_runs_and_its_stated_values_are_true():
         run = scope["run"]
         got = (run.text, list(run.logits[0].shape), list(run.resid[0].shape))
         assert got == tuple(stated), f"README states {stated}, the toy model gives {got}"
+        line = next(ln for ln in code.splitlines() if ln.startswith("steered.text"))
+        stated_steer = ast.literal_eval(line.split("#", 1)[1].split(":", 1)[0].strip())
+        assert scope["steered"].text == stated_steer, (stated_steer, scope["steered"].text)
     finally:
         for name in ("other", "model"):
             m = scope.get(name)
