@@ -85,12 +85,13 @@ class _Taps:
             self.sites.append(site)
         self.in_graph: set[str] = set()  # sites whose copy is recorded in the CUDA graphs
         self.edits: list[dict] = []  # armed edits (see arm_edits); applied in eager steps only
-        self._prompt_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # this forward's (positions, is-prompt)
+        self._prompt_rows: tuple | None = None  # this forward's (position, is-prompt, is-generated) per row
 
     # ---- edits (nv.generate(..., edits=[...]))
     def arm_edits(self, edits: list[dict]) -> None:
-        """Edits for the next generation: ``{"site", "layers", "op": add|set|scale, "vector"
-        (list of floats) or None, "value", "scale", "positions": all|prompt|generated}``."""
+        """Edits for the next generation (:func:`nnvllm.edits.to_spec`): ``{"site", "layers", "op":
+        add|set|scale|patch, "vector" (list) or None, "values" ([layer, pos, width] lists, patch) or
+        None, "value", "scale", "positions": all|prompt|generated}``."""
         armed = []
         for e in edits:
             vec, vals = e.get("vector"), e.get("values")
@@ -99,25 +100,24 @@ class _Taps:
                           "vals": None if vals is None else torch.tensor(vals, dtype=torch.float32, device=self.device)})
         self.edits = armed
 
-    def _rows_mask(self, positions: str, n: int, device) -> torch.Tensor | None:
-        if positions == "all":
-            return None
-        pos, prompt = self._row_positions(device)
-        m = prompt if positions == "prompt" else ~prompt
-        if m.shape[0] < n:  # rows vLLM padded: never edited
-            m = torch.cat([m, torch.zeros(n - m.shape[0], dtype=torch.bool, device=device)])
-        return m[:n]
-
-    def _row_positions(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """This forward's per-row position and "is a prompt position" (computed once per step)."""
-        if self._prompt_rows is None:
+    def _rows(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's position of each of its ``n`` rows and whether the row is a prompt position
+        (computed once per step). Rows vLLM padded get a position past every sequence and count as
+        neither prompt nor generated, so no edit touches them."""
+        if self._prompt_rows is None or self._prompt_rows[0].shape[0] != n:
             r = self.runner
             nreq = r.input_batch.num_reqs
             qsl = r.query_start_loc.np[: nreq + 1]
+            real = int(qsl[-1])
             plen = np.array([_prompt_len(r.requests[i]) for i in r.input_batch.req_ids[:nreq]], dtype=np.int64)
             row_plen = torch.from_numpy(np.repeat(plen, np.diff(qsl))).to(device)
-            pos = r.positions[: int(qsl[-1])].to(device)
-            self._prompt_rows = (pos, pos < row_plen)
+            pos = torch.full((n,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=device)
+            pos[:real] = r.positions[:real].to(device)
+            prompt = torch.zeros(n, dtype=torch.bool, device=device)
+            prompt[:real] = pos[:real] < row_plen
+            generated = torch.zeros(n, dtype=torch.bool, device=device)
+            generated[:real] = ~prompt[:real]
+            self._prompt_rows = (pos, prompt, generated)
         return self._prompt_rows
 
     def _apply_edits(self, site: str, j: int, x: torch.Tensor, residual: torch.Tensor | None = None) -> None:
@@ -125,15 +125,11 @@ class _Taps:
         for e in self.edits:
             if e["site"] != site or j not in e["layers"]:
                 continue
-            m = self._rows_mask(e["positions"], x.shape[0], x.device)
+            pos, prompt, generated = self._rows(x.shape[0], x.device)
+            m = {"all": None, "prompt": prompt, "generated": generated}[e["positions"]]
             op, vec = e["op"], e["vec"]
             if op == "patch":  # another run's value at each row's position, where it has one
                 src = e["vals"][e["layers"][j]]  # [P, width]
-                pos = self._row_positions(x.device)[0]
-                if pos.shape[0] < x.shape[0]:
-                    pos = torch.cat([pos, torch.full((x.shape[0] - pos.shape[0],), src.shape[0], device=x.device,
-                                                     dtype=pos.dtype)])
-                pos = pos[: x.shape[0]]
                 inside = pos < src.shape[0]
                 new = src[pos.clamp(max=src.shape[0] - 1)].to(x.dtype)
                 m = inside if m is None else (m & inside)
