@@ -15,6 +15,7 @@
 #   OUT              where each stage's log goes (default benchmarks/results/gpu/); also summary.txt and
 #                    fidelity_<stage>.json (every vLLM-vs-transformers check with its calibrated bound)
 #   STAGES           a subset to run, e.g. STAGES="engine" or STAGES="tp_vllm tp_isolated"
+#   NOTEBOOKS        what the notebooks stage runs (default notebooks/), e.g. "notebooks/0[1-3]*.ipynb"
 #   TESTS            what the engine stage runs (default tests/), e.g. "tests/test_capture.py tests/test_vllm.py"
 #   STAGE_TIMEOUT    seconds per stage (default: none)
 #   GPUS             split the engine stage into parallel pytest processes, one per entry, each with
@@ -136,7 +137,7 @@ for stage in $STAGES; do
         done
       fi ;;
     notebooks)
-      run_stage notebooks "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} --nbmake notebooks/ ;;
+      run_stage notebooks "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} --nbmake ${NOTEBOOKS:-notebooks/} ;;
     tp_vllm)
       NNVLLM_FIDELITY_JSON="$OUT_DIR/fidelity_tp_vllm.json" \
         run_stage tp_vllm "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} tests/test_vllm.py tests/test_edits.py --tp "$TP" ;;
