@@ -24,6 +24,11 @@ batch, then the median of ``--repeats``):
 - ``nv_fp32`` / ``nv_fp32_exact``: ``nv_graphs`` with the weights in fp32, without and with
   ``exact=True`` (the speed cost of full-precision fp32 attention).
 - ``<nv case>_handover_<mode>``: the same with ``NNVLLM_HANDOVER=<mode>`` (stage, pin, plain).
+- ``nv_steer`` / ``nv_steer_eager``: steering cost (issue 12): on the graph (or eager) in-process
+  engine, ``nv.generate`` reading nothing but tokens and samples (``layers=None, logits=False``),
+  without and with one steering edit (a vector added to the residual stream after the middle block,
+  every position, every prompt), and the same two with every layer and the logits captured; plus
+  the engine's own generate. Ratios ``steer`` (steered / unsteered) in each pair.
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -148,6 +153,27 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         if extra.get("save"):
             torch.save({"resid": [r.clone() for r in run.resid], "logits": [x.clone() for x in run.logits],
                         "tokens": run.tokens}, Path(extra["save"]) / f"{name}.pt")
+        model.close()
+        return res
+    if name in ("nv_steer", "nv_steer_eager"):
+        import nnvllm as nv
+        from nnvllm import capture
+        from vllm import SamplingParams
+
+        model = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=gpu_util,
+                        cuda_graphs=name == "nv_steer")
+        g = torch.Generator().manual_seed(0)
+        steer = [nv.Edit.add(torch.randn(SHAPES[shape]["d"], generator=g), layers=[L // 2], scale=4.0)]
+        sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
+        res[name + "_bare"] = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), repeats)
+        for label, kw in (("tokens", dict(layers=None, logits=False)), ("all", {})):
+            res[f"{name}_{label}"] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, **kw), repeats)
+            res[f"{name}_{label}_steered"] = _timed(
+                lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, edits=steer, **kw), repeats)
+            res[f"{name}_{label}_steered_eager_steps"] = bool(capture._LAST_STATS.get("eager"))
+        clean = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True, layers=[L // 2 + 1], logits=False)
+        run = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True, layers=[L // 2 + 1], logits=False, edits=steer)
+        res[name + "_moved"] = float((run.resid[0].float() - clean.resid[0].float()).abs().max())
         model.close()
         return res
     if name == "hf_nnsight":
@@ -296,6 +322,11 @@ def _ratios(out: dict) -> None:
             r[f"x {base}"] = {k: v / s[base] for k, v in s.items() if isinstance(v, float)}
     if isinstance(s.get("nv_isolated"), float) and isinstance(s.get("nv_graphs"), float):
         r["isolated / in-process"] = s["nv_isolated"] / s["nv_graphs"]
+    for c in ("nv_steer", "nv_steer_eager"):
+        for label in ("tokens", "all"):
+            a, b = s.get(f"{c}_{label}_steered"), s.get(f"{c}_{label}")
+            if isinstance(a, float) and isinstance(b, float):
+                r[f"steer {c} {label}"] = a / b
     out["ratios"] = r
 
 

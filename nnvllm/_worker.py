@@ -84,21 +84,44 @@ class _Taps:
                     self.handles.append(mod.register_forward_pre_hook(self._input_hook(site, j)))
             self.sites.append(site)
         self.in_graph: set[str] = set()  # sites whose copy is recorded in the CUDA graphs
-        self.edits: list[dict] = []  # armed edits (see arm_edits); applied in eager steps only
+        self.edits: list[dict] = []  # armed edits (see arm_edits); the hooks make them in eager steps
+        # [layer, width]: what every replayed CUDA graph adds to each block's residual stream (zero
+        # unless steering edits are armed): steering at graph speed (see replayable).
+        self.gadd: torch.Tensor | None = None
         self._prompt_rows: tuple | None = None  # this forward's (position, is-prompt, is-generated) per row
 
     # ---- edits (nv.generate(..., edits=[...]))
+    def replayable(self, edits: list[dict]) -> bool:
+        """Whether replayed CUDA graphs can make ``edits``: adding vectors to the residual stream at
+        generated positions (a replayed graph runs decode steps only, whose rows are all generated
+        positions). Anything else runs the edited generation's steps eagerly."""
+        return self.gadd is not None and all(
+            e["op"] == "add" and e["site"] == "resid" and e["positions"] in ("all", "generated") for e in edits)
+
     def arm_edits(self, edits: list[dict]) -> None:
         """Edits for the next generation (:func:`nnvllm.edits.to_spec`): ``{"site", "layers", "op":
         add|set|scale|patch, "vector" (list) or None, "values" ([layer, pos, width] lists, patch) or
-        None, "value", "scale", "positions": all|prompt|generated}``."""
+        None, "value", "scale", "positions": all|prompt|generated}``. Eager steps make them in the
+        hooks; if :meth:`replayable`, their sum per layer also goes into :attr:`gadd` for replays."""
         armed = []
         for e in edits:
             vec, vals = e.get("vector"), e.get("values")
             armed.append({**e, "layers": {j: k for k, j in enumerate(e["layers"])},
                           "vec": None if vec is None else torch.tensor(vec, dtype=torch.float32, device=self.device),
                           "vals": None if vals is None else torch.tensor(vals, dtype=torch.float32, device=self.device)})
+        self.disarm_edits()
+        if armed and self.replayable(edits):
+            acc = torch.zeros(self.gadd.shape, dtype=torch.float32, device=self.device)
+            for e in armed:
+                for j in e["layers"]:
+                    acc[j] += e["vec"] * e["scale"]
+            self.gadd.copy_(acc)  # one edit per layer: the very values the hook adds, (vec * scale).to(dtype)
         self.edits = armed
+
+    def disarm_edits(self) -> None:
+        self.edits = []
+        if self.gadd is not None:
+            self.gadd.zero_()
 
     def _rows(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward's position of each of its ``n`` rows and whether the row is a prompt position
@@ -174,6 +197,10 @@ class _Taps:
 
     def _output_hook(self, site: str, j: int):
         def hook(module, args, out):
+            if site == "resid" and self.gadd is not None:
+                h = out[0] if isinstance(out, tuple) else out
+                if h.is_cuda and torch.cuda.is_current_stream_capturing():
+                    h.add_(self.gadd[j])  # recorded into every graph (see arm_edits); eager steps skip it
             if isinstance(out, tuple):
                 if site == "resid" and len(out) > 1 and out[1] is not None:
                     # Llama-style blocks return (hidden, residual): the residual stream is their sum.
@@ -210,6 +237,8 @@ class _Taps:
             self.static[site] = torch.zeros(self.n_layers, self.cap, w, dtype=self.dtype, device=self.device)
             used += size
             self.in_graph.add(site)
+        if "resid" in widths:
+            self.gadd = torch.zeros(self.n_layers, widths["resid"], dtype=self.dtype, device=self.device)
 
 
 def _site_widths(model: Any, arch: dict, tp: int) -> dict[str, int]:
@@ -245,8 +274,11 @@ class _Capture:
         dev = taps.device
         if self.layers and self.layers != list(range(taps.n_layers)):
             self.layer_idx = torch.tensor(self.layers, dtype=torch.long, device=dev)
-        # Edits run in the hooks, which a replayed CUDA graph skips: a capture with edits runs eagerly.
-        self.need_eager = (any(s not in taps.in_graph for s in self.sites) or bool(spec.get("edits"))) and taps.cap > 0
+        # Edits run in the hooks, which a replayed CUDA graph skips: a capture with edits runs eagerly,
+        # unless the graphs make them (steering the residual stream, see _Taps.replayable).
+        edits = spec.get("edits") or []
+        self.need_eager = (any(s not in taps.in_graph for s in self.sites)
+                           or (bool(edits) and not taps.replayable(edits))) and taps.cap > 0
         self.requests: dict[str, tuple[int, int, int, int, int]] = {}  # rid -> (arena, off, rows, loff, plen)
         self.arenas: list[dict[str, torch.Tensor]] = []
         self.free_rows = 0
@@ -258,7 +290,7 @@ class _Capture:
         remote = spec.get("client_pid") != os.getpid()
         self.shm = _ShmFiles(taps.device) if remote and self.keep and taps.device.type == "cuda" else None
         self.timings: dict[str, float] = {}
-        self.stats = {"rows": 0, "partial_prefills": 0}
+        self.stats = {"rows": 0, "partial_prefills": 0, "eager": bool(self.need_eager)}
         self.error: str | None = None
 
     def check_memory(self) -> None:
@@ -629,60 +661,138 @@ class _ShmFile:
             pass
 
 
+# Hand-off files kept ready between captures (bytes; 0 turns it off), see _Spares.
+SPARE_BYTES = int(os.environ.get("NNVLLM_SPARE_BYTES", 4 << 30))
+
+
+class _Spares:
+    """Hand-off files made ready between captures, one per file the last capture handed over.
+
+    Preparing a file (allocating its pages, mapping them, page-locking them for DMA) costs about as
+    much as a short generation: measured on an H200, a 64 x 128 capture of the Llama-1B shape waited
+    0.12 s at hand-off for its 0.74 GB of files prepared while it generated. Calls in a row usually
+    have the same shape (``nv.collect``'s chunks always do), so after each hand-off the worker makes
+    files of the same sizes in the background, while the engine is idle, up to
+    ``NNVLLM_SPARE_BYTES`` (default 4 GiB of shared memory held between calls; 0: none). A later
+    capture takes the smallest that fits (cut to its size when handed over); the rest are replaced.
+    They go with the engine: unlinked at exit, swept by the next engine if its process was killed.
+    """
+
+    def __init__(self) -> None:
+        self.files: list[tuple[int, Any]] = []  # (size, future of _ShmFile)
+        self.pool = None
+        self.pending: list = []  # futures of background work (see wait)
+
+    def submit(self, fn, *args):
+        fut = self.executor().submit(fn, *args)
+        self.pending = [f for f in self.pending if not f.done()] + [fut]
+        return fut
+
+    def wait(self) -> None:
+        """Until the background work submitted so far is done (tests)."""
+        for f in list(self.pending):
+            f.exception()
+
+    def executor(self):
+        if self.pool is None:
+            import atexit
+            import concurrent.futures
+
+            self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="nnvllm-shm")
+            atexit.register(self.drop)
+        return self.pool
+
+    def take(self, nbytes: int) -> tuple[int, Any] | None:
+        fits = [(size, i) for i, (size, _) in enumerate(self.files) if nbytes <= size <= 2 * nbytes + (64 << 20)]
+        return self.files.pop(min(fits)[1]) if fits else None
+
+    def refill(self, sizes: list[int], leftovers: list[tuple[int, Any]], make) -> None:
+        """Replace the spares by files of ``sizes`` (largest first, within SPARE_BYTES), reusing
+        ``leftovers`` (prepared, never handed over) that fit; discard every other file."""
+        old, self.files, total = self.files + leftovers, [], 0
+        for size in sorted(sizes, reverse=True):
+            if total + size > SPARE_BYTES:
+                continue
+            total += size
+            fit = [(s, i) for i, (s, _) in enumerate(old) if size <= s <= 2 * size + (64 << 20)]
+            self.files.append(old.pop(min(fit)[1]) if fit else (size, self.submit(make, size)))
+        for _, fut in old:
+            self.submit(_discard_when_ready, fut)
+
+    def drop(self) -> None:
+        files, self.files = self.files, []
+        for _, fut in files:
+            _discard_when_ready(fut)
+
+
+def _discard_when_ready(fut) -> None:
+    try:
+        fut.result(timeout=30).discard()
+    except Exception:  # noqa: BLE001 (a file that failed to be made left nothing behind)
+        pass
+
+
+_SPARES = _Spares()
+
+
 class _ShmFiles:
-    """Files in shared memory made ready in a background thread while the engine generates.
+    """The hand-off files of one capture, made ready in background threads while the engine generates.
 
     A fresh tmpfs page costs a fault and zeroing when first touched; done at hand-off time that is
     tens of ms per 100 MB. The sizes are known once the arena exists, so the files are allocated
     (``posix_fallocate``), mapped with ``MAP_POPULATE`` and, in ``pin`` mode, page-locked for DMA
-    during the generation instead. After the copy, unmapping (and unpinning) happens in the
-    background too.
+    during the generation instead, or taken from the files the last capture left ready
+    (:class:`_Spares`). After the copy, unmapping (and unpinning) happens in the background too.
     """
 
     def __init__(self, device: Any = None) -> None:
-        import concurrent.futures
-
         self.pin = _handover_mode() == "pin"  # made only for a CUDA engine (see _Capture)
         self.device = device
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
-        self.ready: list = []  # futures of _ShmFile
+        self.ready: list[tuple[int, Any]] = []  # (size, future of _ShmFile)
         self.handed: set[str] = set()  # paths the client maps (and then unlinks)
-        self.made: list[str] = []  # every path this capture created
+        self.sizes: list[int] = []  # bytes of each file handed over
+        self.made: list[str] = []  # every path this capture created outside ``ready``
 
     def _make(self, nbytes: int, pin: bool = False) -> _ShmFile:
+        """A file made outside ``ready`` (removed at :meth:`discard` unless handed over)."""
         f = _ShmFile(nbytes, pin, self.device)
         self.made.append(f.path)
         return f
 
     def prepare(self, nbytes: int) -> None:
-        self.ready.append(self.pool.submit(self._make, nbytes, self.pin))
+        self.ready.append(_SPARES.take(nbytes) or (nbytes, _SPARES.submit(_ShmFile, nbytes, self.pin, self.device)))
 
     def take(self, nbytes: int) -> _ShmFile:
-        """The smallest prepared file of at least ``nbytes``, else a new one; it is handed over."""
-        fits = [(fut.result().size, i) for i, fut in enumerate(self.ready) if fut.result().size >= nbytes]
-        f = self.ready.pop(min(fits)[1]).result() if fits else self._make(nbytes)
+        """The smallest prepared file of at least ``nbytes`` (waiting for that one only), else a new
+        one; it is handed over."""
+        fits = [(size, i) for i, (size, _) in enumerate(self.ready) if size >= nbytes]
+        if fits:
+            f = self.ready.pop(min(fits)[1])[1].result()
+        else:
+            f = self._make(nbytes)
         self.handed.add(f.path)
+        self.sizes.append(nbytes)
         return f
 
     def release(self, f: _ShmFile, keep: int) -> None:
-        self.pool.submit(f.release, keep)
+        _SPARES.submit(f.release, keep)
 
     def discard(self) -> None:
-        """Release the files never handed over and remove every file of this capture the client
-        will not unlink, whatever path led here (an error mid-hand-off included)."""
-        for fut in self.ready:
-            try:
-                fut.result().discard()
-            except Exception:  # noqa: BLE001
-                pass
-        self.ready = []
+        """Keep files like the ones handed over ready for the next capture (:class:`_Spares`),
+        release the rest, and remove every file of this capture the client will not unlink,
+        whatever path led here (an error mid-hand-off included)."""
+        ready, self.ready = self.ready, []
+        if SPARE_BYTES > 0 and self.sizes:
+            _SPARES.refill(self.sizes, ready, lambda n: _ShmFile(n, self.pin, self.device))
+        else:
+            for _, fut in ready:
+                _SPARES.submit(_discard_when_ready, fut)
         for path in self.made:
             if path not in self.handed:
                 try:
                     os.unlink(path)
                 except FileNotFoundError:
                     pass
-        self.pool.shutdown(wait=False)
 
 
 def _handover_mode() -> str:
@@ -896,7 +1006,7 @@ class CaptureWorker:
         taps = getattr(runner, "_nnvllm_taps", None)
         if taps is not None:
             taps.active = False
-            taps.edits = []
+            taps.disarm_edits()
         cap = getattr(runner, "_nnvllm_capture", None)
         runner._nnvllm_capture = None
         if cap is not None and cap.shm is not None:
@@ -908,7 +1018,7 @@ class CaptureWorker:
         taps = getattr(runner, "_nnvllm_taps", None)
         if taps is not None:
             taps.active = False
-            taps.edits = []
+            taps.disarm_edits()
         runner._nnvllm_capture = None
         if cap is None:
             return None

@@ -11,8 +11,9 @@ it does to each of those rows:
 
 On the engine the edits run in the same permanent hooks that record activations (worker side, no
 per-request Python): every row of the batch that the position rule selects is edited in place, at
-every step, before it is recorded, so the :class:`~nnvllm.Run` shows the edited values. An engine
-that replays CUDA graphs runs the steps of an edited generation eagerly. :func:`nnvllm.reference`
+every step, before it is recorded, so the :class:`~nnvllm.Run` shows the edited values. On an engine
+that replays CUDA graphs, steering (``add`` to ``resid`` at ``"all"`` or ``"generated"`` positions)
+runs inside the graphs; any other edit runs the edited generation's steps eagerly (docs/edits.md). :func:`nnvllm.reference`
 takes the same edits and makes them with transformers hooks (the tests compare the two).
 
 For the residual stream of a Llama-style block (vLLM returns ``(hidden, residual)``, whose sum is

@@ -92,13 +92,21 @@ def test_no_handoff_file_is_left_behind(toy):
     assert after <= before
 
 
+def _wait_for_pool():
+    from nnvllm._worker import _SPARES
+
+    _SPARES.wait()
+
+
 def test_handoff_files_not_handed_over_are_removed(monkeypatch):
     """The GPU hand-off's prepared files (driven here without a GPU): a tensor takes the smallest
     prepared file that fits; at the end every file the client will not map is removed, including
     one a failed hand-off made and never handed."""
+    from nnvllm import _worker
     from nnvllm._worker import _ShmFiles
 
     monkeypatch.setenv("NNVLLM_HANDOVER", "plain")  # no page-locking without CUDA
+    monkeypatch.setattr(_worker, "SPARE_BYTES", 0)  # no files kept for a next capture (tested below)
     mine = lambda: {f for f in os.listdir(shm_dir()) if f.startswith(f"{SHM_PREFIX}{os.getpid()}-")}  # noqa: E731
     before = mine()
     files = _ShmFiles()
@@ -109,7 +117,8 @@ def test_handoff_files_not_handed_over_are_removed(monkeypatch):
     big = files.take(8 << 20)  # none fits: a new one
     assert big.size == 8 << 20
     stray = files._make(100)  # as if a hand-off failed after making it
-    files.discard()
+    files.discard()  # (prepared files are discarded in the background)
+    _wait_for_pool()
     left = mine() - before
     assert left == {os.path.basename(small.path), os.path.basename(big.path)}  # the client's to unlink
     assert not os.path.exists(stray.path)
@@ -117,3 +126,44 @@ def test_handoff_files_not_handed_over_are_removed(monkeypatch):
         f.release(0)
     for p in (small.path, big.path):
         os.unlink(p)
+
+
+def test_handoff_files_are_kept_ready_for_the_next_capture(monkeypatch):
+    """After a hand-off the worker prepares files of the sizes it handed over (within
+    NNVLLM_SPARE_BYTES), reusing prepared files never handed over; the next capture of that shape
+    takes them instead of making new ones; dropping the spares removes their files."""
+    from nnvllm import _worker
+    from nnvllm._worker import _SPARES, _ShmFiles
+
+    monkeypatch.setenv("NNVLLM_HANDOVER", "plain")
+    monkeypatch.setattr(_worker, "SPARE_BYTES", 5 << 20)
+    mine = lambda: {f for f in os.listdir(shm_dir()) if f.startswith(f"{SHM_PREFIX}{os.getpid()}-")}  # noqa: E731
+    _SPARES.drop()
+    before = mine()
+    first = _ShmFiles()
+    for n in (1 << 20, 2 << 20, 5000):  # the third is an over-estimate never handed over
+        first.prepare(n)
+    handed = [first.take(1 << 20), first.take(2 << 20), first.take(3 << 20)]  # the last: made now
+    first.discard()  # spares, largest first within 5 MiB: 3 MiB and 2 MiB (new); 1 MiB: over budget
+    _wait_for_pool()
+    assert sorted(size for size, _ in _SPARES.files) == [2 << 20, 3 << 20]
+    spare_paths = {os.path.basename(fut.result().path) for _, fut in _SPARES.files}
+    assert mine() - before == spare_paths | {os.path.basename(f.path) for f in handed}
+    for f in handed:
+        f.release(0)
+        os.unlink(f.path)
+    second = _ShmFiles()
+    second.prepare(3 << 20)
+    second.prepare(2 << 20)
+    second.prepare(1 << 20)  # no spare that size: prepared anew
+    got = [second.take(3 << 20), second.take(2 << 20)]
+    assert {os.path.basename(f.path) for f in got} == spare_paths  # the spares, not new files
+    assert len(_SPARES.files) == 0
+    second.discard()  # the same sizes again; the 1 MiB file never handed over is discarded
+    _wait_for_pool()
+    assert sorted(size for size, _ in _SPARES.files) == [2 << 20, 3 << 20]
+    for f in got:
+        f.release(0)
+        os.unlink(f.path)
+    _SPARES.drop()
+    assert mine() == before

@@ -3,7 +3,9 @@
 Measured on an H200 with benchmarks/capture_gpu.py (random fp16 Llama-1B and GPT-2-small shapes):
 every residual and logit bit-identical between ``cuda_graphs=True`` and ``cuda_graphs=False``.
 This test keeps that true on the toy model, in fp32, and runs ``nv.patch`` on both engines (its
-passes run eagerly on the graph engine: they carry an nnsight trace).
+passes run eagerly on the graph engine: they carry an nnsight trace). Steering the residual stream
+runs inside the replayed graphs (``_Taps.gadd``): the steered generation must equal the eager
+engine's, and must not have fallen back to eager steps.
 """
 
 from __future__ import annotations
@@ -18,20 +20,32 @@ pytestmark = pytest.mark.gpu
 PROMPTS = ["The capital of France is", "Paris is the capital of", "The capital of Italy is"]
 
 
+def _steering(d: int):
+    g = torch.Generator().manual_seed(0)
+    return [nv.Edit.add(torch.randn(d, generator=g), layers=[1], scale=3.0),
+            nv.Edit.add(torch.randn(d, generator=g), layers=[0, -1], scale=2.0, positions="generated")]
+
+
 def _capture(toy_path, graphs: bool):
+    from nnvllm import capture
+
     model = nv.load(toy_path, isolate=False, dtype="float32", gpu_memory_utilization=0.3,
                     kv_cache_memory_bytes=1 << 30, cuda_graphs=graphs)
     try:
         run = nv.generate(model, PROMPTS * 8, max_tokens=12, ignore_eos=True, sites=("attn", "mlp_act"))
         res = nv.patch(model, PROMPTS[0], PROMPTS[2], " Paris", " Rome", progress=False)
-        return run, res
+        steered = nv.generate(model, PROMPTS * 8, max_tokens=12, ignore_eos=True,
+                              edits=_steering(model.config.hidden_size))
+        steered_eager = capture._LAST_STATS["eager"]
+        after = nv.generate(model, PROMPTS * 8, max_tokens=12, ignore_eos=True)  # nothing left armed
+        return run, res, (steered, steered_eager, after)
     finally:
         model.close()
 
 
 def test_graph_engine_captures_and_patches_what_the_eager_engine_does(toy_path):
-    eager, eager_patch = _capture(toy_path, graphs=False)
-    graphs, graphs_patch = _capture(toy_path, graphs=True)
+    eager, eager_patch, (eager_steered, _, eager_after) = _capture(toy_path, graphs=False)
+    graphs, graphs_patch, (graphs_steered, steered_eager, graphs_after) = _capture(toy_path, graphs=True)
     assert graphs.tokens == eager.tokens
     for i in range(len(eager)):
         assert torch.equal(graphs.resid[i], eager.resid[i])
@@ -43,3 +57,13 @@ def test_graph_engine_captures_and_patches_what_the_eager_engine_does(toy_path):
     # the same batch, not graphs against eager. Within fp32 rounding of a logit difference of ~7.
     assert (graphs_patch.patched_diff - eager_patch.patched_diff).abs().max() < 1e-3
     assert abs(graphs_patch.effect[-1, -1] - 1) < 1e-3  # the last block at the last position restores all
+    # Steering on the graph engine ran in its graphs (no eager fallback) and made the eager edits.
+    assert not steered_eager
+    assert graphs_steered.tokens == eager_steered.tokens
+    for i in range(len(eager)):
+        assert (graphs_steered.resid[i] - eager_steered.resid[i]).abs().max() < 1e-4
+        assert (graphs_steered.logits[i] - eager_steered.logits[i]).abs().max() < 1e-4
+        n = len(graphs_steered.prompt_ids[i])
+        assert (graphs_steered.resid[i][:, n:] - graphs.resid[i][:, n:]).abs().max() > 0.1  # it did steer
+        assert torch.equal(graphs_after.resid[i], graphs.resid[i])  # and left nothing armed
+    assert graphs_after.tokens == graphs.tokens == eager_after.tokens
