@@ -96,7 +96,8 @@ class _Taps:
         generated positions (a replayed graph runs decode steps only, whose rows are all generated
         positions). Anything else runs the edited generation's steps eagerly."""
         return self.gadd is not None and all(
-            e["op"] == "add" and e["site"] == "resid" and e["positions"] in ("all", "generated") for e in edits)
+            e["op"] == "add" and e["site"] == "resid" and e["positions"] in ("all", "generated")
+            and e.get("prompts") is None for e in edits)
 
     def arm_edits(self, edits: list[dict]) -> None:
         """Edits for the next generation (:func:`nnvllm.edits.to_spec`): ``{"site", "layers", "op":
@@ -106,7 +107,9 @@ class _Taps:
         armed = []
         for e in edits:
             vec, vals = e.get("vector"), e.get("values")
+            pr = e.get("prompts")
             armed.append({**e, "layers": {j: k for k, j in enumerate(e["layers"])},
+                          "prompts": None if pr is None else torch.tensor(pr, dtype=torch.int64, device=self.device),
                           "vec": None if vec is None else torch.tensor(vec, dtype=torch.float32, device=self.device),
                           "vals": None if vals is None else torch.tensor(vals, dtype=torch.float32, device=self.device)})
         self.disarm_edits()
@@ -123,24 +126,31 @@ class _Taps:
         if self.gadd is not None:
             self.gadd.zero_()
 
-    def _rows(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """This forward's position of each of its ``n`` rows and whether the row is a prompt position
-        (computed once per step). Rows vLLM padded get a position past every sequence and count as
-        neither prompt nor generated, so no edit touches them."""
+    def _rows(self, n: int, device) -> tuple[torch.Tensor, ...]:
+        """This forward's position of each of its ``n`` rows, whether the row is a prompt or a
+        generated position, and its request's prompt index in the call (-1: untagged), computed once
+        per step. Rows vLLM padded get a position past every sequence and count as neither prompt
+        nor generated, so no edit touches them."""
         if self._prompt_rows is None or self._prompt_rows[0].shape[0] != n:
             r = self.runner
             nreq = r.input_batch.num_reqs
             qsl = r.query_start_loc.np[: nreq + 1]
             real = int(qsl[-1])
-            plen = np.array([_prompt_len(r.requests[i]) for i in r.input_batch.req_ids[:nreq]], dtype=np.int64)
+            ids = r.input_batch.req_ids[:nreq]
+            plen = np.array([_prompt_len(r.requests[i]) for i in ids], dtype=np.int64)
             row_plen = torch.from_numpy(np.repeat(plen, np.diff(qsl))).to(device)
+            # the prompt index generate() tags each request with (capture.PROMPT_TAG), for per-prompt edits
+            tag = np.array([(r.requests[i].sampling_params.extra_args or {}).get("nnvllm_prompt", -1) for i in ids],
+                           dtype=np.int64)
+            which = torch.full((n,), -1, dtype=torch.int64, device=device)
+            which[:real] = torch.from_numpy(np.repeat(tag, np.diff(qsl))).to(device)
             pos = torch.full((n,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=device)
             pos[:real] = r.positions[:real].to(device)
             prompt = torch.zeros(n, dtype=torch.bool, device=device)
             prompt[:real] = pos[:real] < row_plen
             generated = torch.zeros(n, dtype=torch.bool, device=device)
             generated[:real] = ~prompt[:real]
-            self._prompt_rows = (pos, prompt, generated)
+            self._prompt_rows = (pos, prompt, generated, which)
         return self._prompt_rows
 
     def _apply_edits(self, site: str, j: int, x: torch.Tensor, residual: torch.Tensor | None = None) -> None:
@@ -148,8 +158,11 @@ class _Taps:
         for e in self.edits:
             if e["site"] != site or j not in e["layers"]:
                 continue
-            pos, prompt, generated = self._rows(x.shape[0], x.device)
+            pos, prompt, generated, which = self._rows(x.shape[0], x.device)
             m = {"all": None, "prompt": prompt, "generated": generated}[e["positions"]]
+            if e["prompts"] is not None:
+                mine = torch.isin(which, e["prompts"])
+                m = mine if m is None else (m & mine)
             op, vec = e["op"], e["vec"]
             if op == "patch":  # another run's value at each row's position, where it has one
                 src = e["vals"][e["layers"][j]]  # [P, width]

@@ -39,6 +39,16 @@ def plain_output(out) -> dict:
             "token_ids": list(gen.token_ids), "text": gen.text}
 
 
+PROMPT_TAG = "nnvllm_prompt"  # SamplingParams.extra_args key: the request's prompt index (per-prompt edits)
+
+
+def sampling_params(params: dict | list[dict]):
+    """vLLM ``SamplingParams`` from ``generate``'s plain params: one for all prompts, or one per prompt."""
+    from vllm import SamplingParams
+
+    return [SamplingParams(**p) for p in params] if isinstance(params, list) else SamplingParams(**params)
+
+
 class InProcessEngine:
     """The engine in this process (``model.llm``), called directly."""
 
@@ -50,12 +60,10 @@ class InProcessEngine:
 
     def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
         """Arm the worker, generate, collect: (plain outputs, the worker's hand-off)."""
-        from vllm import SamplingParams
-
         self.llm.collective_rpc("nnvllm_arm", args=(spec,))
         try:
             with interruptible(self.llm):
-                outputs = [plain_output(o) for o in self.llm.generate(prompts, SamplingParams(**params), use_tqdm=False)]
+                outputs = [plain_output(o) for o in self.llm.generate(prompts, sampling_params(params), use_tqdm=False)]
         except BaseException:
             self.llm.collective_rpc("nnvllm_disarm")
             raise
@@ -219,10 +227,12 @@ def generate(
     from . import edits as _edits
 
     edit_list = _edits.resolve(edits, model.arch, model.n_layers, _edits.site_widths(model),
-                               engine.info()["tp"] if edits else 1)
+                               engine.info()["tp"] if edits else 1, n_prompts=len(prompts))
     arch = model.arch
     wanted = (("resid",) if layer_ids else ()) + sites
     params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
+    if any(e.prompts is not None for e in edit_list):  # the worker tells prompts apart by this tag
+        params = [dict(params, extra_args={PROMPT_TAG: i}) for i in range(len(prompts))]
     spec = {"family": arch.family, "layers": list(layer_ids), "sites": list(wanted), "logits": bool(logits),
             "sample": {"temperature": float(temperature), "top_p": float(top_p), "k": int(top_k)},
             "client_pid": os.getpid(), "edits": _edits.to_spec(edit_list), **_size_hint(model, prompts, max_tokens)}

@@ -18,7 +18,7 @@ takes the same edits and makes them with transformers hooks (the tests compare t
 
 For the residual stream of a Llama-style block (vLLM returns ``(hidden, residual)``, whose sum is
 the stream), ``add`` adds to the stream, ``set`` and ``scale`` make the edited value the whole
-stream. Edits apply to every prompt of the call.
+stream. An edit applies to every prompt of the call, or to the ones its ``prompts=`` lists.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class Edit:
         factor: ``add``'s scale or ``scale``'s factor (1.0 for ``set``).
         positions: ``"all"``, ``"prompt"`` or ``"generated"``.
         values: ``[len(layers), pos, width]`` for ``patch``: another run's values, position by position.
+        prompts: indices of the prompts of the call it applies to, or None for every prompt.
     """
 
     op: str
@@ -60,21 +61,24 @@ class Edit:
     factor: float = 1.0
     positions: str = "all"
     values: Tensor | None = None  # [layer, pos, width] for "patch": the source run's values
+    prompts: tuple[int, ...] | None = None  # the prompts of the call it applies to (None: all)
 
     @classmethod
-    def add(cls, vector, layers, scale: float = 1.0, *, site: str = "resid", positions: str = "all") -> Edit:
+    def add(cls, vector, layers, scale: float = 1.0, *, site: str = "resid", positions: str = "all",
+            prompts=None) -> Edit:
         """Add ``scale * vector`` (``[width]``) to ``site`` at ``layers`` (steering)."""
-        return cls._make("add", site, layers, vector=vector, factor=scale, positions=positions)
+        return cls._make("add", site, layers, vector=vector, factor=scale, positions=positions, prompts=prompts)
 
     @classmethod
-    def set(cls, value, layers, *, site: str = "resid", positions: str = "all") -> Edit:
+    def set(cls, value, layers, *, site: str = "resid", positions: str = "all", prompts=None) -> Edit:
         """Set ``site`` at ``layers`` to ``value`` (a float, e.g. ``0.0`` to ablate, or a ``[width]`` vector)."""
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return cls._make("set", site, layers, value=float(value), positions=positions)
-        return cls._make("set", site, layers, vector=value, positions=positions)
+            return cls._make("set", site, layers, value=float(value), positions=positions, prompts=prompts)
+        return cls._make("set", site, layers, vector=value, positions=positions, prompts=prompts)
 
     @classmethod
-    def patch(cls, source, layers, *, site: str = "resid", request: int = 0, positions: str = "all") -> Edit:
+    def patch(cls, source, layers, *, site: str = "resid", request: int = 0, positions: str = "all",
+              prompts=None) -> Edit:
         """Replace ``site`` at ``layers`` with another run's values, position by position (activation
         patching over a whole generation): row ``p`` gets ``source``'s value at position ``p`` of
         request ``request``; positions past the source's are left alone.
@@ -98,15 +102,16 @@ class Edit:
                              f"({source.layers}); give block indices it has (0 and up)")
         rows = [source.layers.index(j) for j in layers]
         values = per[request][rows].detach().float().cpu()
-        return cls._make("patch", site, layers, positions=positions, values=values)
+        return cls._make("patch", site, layers, positions=positions, values=values, prompts=prompts)
 
     @classmethod
-    def scale(cls, factor: float, layers, *, site: str = "resid", positions: str = "all") -> Edit:
+    def scale(cls, factor: float, layers, *, site: str = "resid", positions: str = "all", prompts=None) -> Edit:
         """Multiply ``site`` at ``layers`` by ``factor``."""
-        return cls._make("scale", site, layers, factor=factor, positions=positions)
+        return cls._make("scale", site, layers, factor=factor, positions=positions, prompts=prompts)
 
     @classmethod
-    def _make(cls, op, site, layers, *, vector=None, value=None, factor=1.0, positions="all", values=None) -> Edit:
+    def _make(cls, op, site, layers, *, vector=None, value=None, factor=1.0, positions="all", values=None,
+              prompts=None) -> Edit:
         from .arch import SITES
 
         if site not in SITES:
@@ -129,11 +134,20 @@ class Edit:
                                  "the residual stream (nv.steering_vector makes one)")
             if not torch.isfinite(vector).all():
                 raise ValueError("vector holds NaN or inf")
-        return cls(op, site, layers, vector, value, float(factor), positions, values)
+        if prompts is not None:
+            prompts = (prompts,) if isinstance(prompts, int) and not isinstance(prompts, bool) else prompts
+            if not isinstance(prompts, (list, tuple, range)) or not prompts or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in prompts):
+                raise ValueError(f"prompts={prompts!r}; expected None (every prompt) or indices of the call's "
+                                 "prompts (0 and up), e.g. prompts=[0, 2]")
+            prompts = tuple(sorted(set(prompts)))
+        return cls(op, site, layers, vector, value, float(factor), positions, values, prompts)
 
     def describe(self) -> dict[str, Any]:
         """What a Run records of this edit (JSON; a vector as its width and norm)."""
         d: dict[str, Any] = {"op": self.op, "site": self.site, "layers": list(self.layers), "positions": self.positions}
+        if self.prompts is not None:
+            d["prompts"] = list(self.prompts)
         if self.op in ("add", "scale"):
             d["scale" if self.op == "add" else "factor"] = self.factor
         if self.vector is not None:
@@ -145,9 +159,10 @@ class Edit:
         return d
 
 
-def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str, int] | None, tp: int = 1) -> list[Edit]:
-    """Check ``edits`` against a model (sites it offers, layers it has, vector widths); negative
-    layers become block indices. Raises ValueError / TypeError saying what to fix."""
+def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str, int] | None, tp: int = 1,
+            n_prompts: int | None = None) -> list[Edit]:
+    """Check ``edits`` against a model (sites it offers, layers it has, vector widths) and the call
+    (``n_prompts``); negative layers become block indices. Raises ValueError / TypeError saying what to fix."""
     if edits is None:
         return []
     if isinstance(edits, Edit):
@@ -177,7 +192,10 @@ def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str,
             if want is not None and e.vector.numel() != want:
                 raise ValueError(f"edit vector has width {e.vector.numel()}; site {e.site!r} of this model is "
                                  f"{want} wide")
-        out.append(Edit(e.op, e.site, tuple(layers), e.vector, e.value, e.factor, e.positions, e.values))
+        if e.prompts is not None and n_prompts is not None and max(e.prompts) >= n_prompts:
+            raise ValueError(f"edit for prompts={list(e.prompts)}: the call has {n_prompts} prompt(s) "
+                             f"(0..{n_prompts - 1})")
+        out.append(Edit(e.op, e.site, tuple(layers), e.vector, e.value, e.factor, e.positions, e.values, e.prompts))
     return out
 
 
@@ -195,14 +213,16 @@ def site_widths(model) -> dict[str, int]:
 def to_spec(edits: list[Edit]) -> list[dict]:
     """The plain form the engine's worker arms (lists, no tensors: RPCs serialize it)."""
     return [{"op": e.op, "site": e.site, "layers": list(e.layers), "positions": e.positions, "scale": e.factor,
+             "prompts": None if e.prompts is None else list(e.prompts),
              "value": e.value, "vector": None if e.vector is None else e.vector.tolist(),
              "values": None if e.values is None else e.values.tolist()} for e in edits]
 
 
-def hf_hooks(model, arch, edits: list[Edit], plen: int) -> list:
+def hf_hooks(model, arch, edits: list[Edit], plen: int, prompt: int = 0) -> list:
     """Register the same edits on a transformers model (for :func:`nnvllm.reference`); returns handles.
 
-    ``plen`` is the prompt length of the sequence the next forwards run over (one prompt at a time).
+    ``plen`` is the prompt length of the sequence the next forwards run over (one prompt at a time),
+    ``prompt`` its index in the call (edits for other prompts are left out).
     """
     blocks = model.get_submodule(arch.blocks)
     handles = []
@@ -231,6 +251,8 @@ def hf_hooks(model, arch, edits: list[Edit], plen: int) -> list:
         return new if m is None else torch.where(m[:, None], new, x)
 
     for e in edits:
+        if e.prompts is not None and prompt not in e.prompts:
+            continue
         paths, side = arch.hf_site(e.site)
         parts = paths if isinstance(paths, tuple) else (paths,)
         for li, j in enumerate(e.layers):

@@ -174,7 +174,7 @@ def reference(
     arch.check_sites(sites)
     from . import edits as _edits
 
-    edit_list = _edits.resolve(edits, arch, len(model.get_submodule(arch.blocks)), None)
+    edit_list = _edits.resolve(edits, arch, len(model.get_submodule(arch.blocks)), None, n_prompts=len(prompts))
     layer_ids = _validate.layers(layers, len(model.get_submodule(arch.blocks)))
     if sites and not layer_ids:
         raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
@@ -200,7 +200,7 @@ def reference(
     run.tokenizer = tok  # for labels (Run.plot); not saved with the run
     for i, prompt in enumerate(prompts):
         p_ids = tok.encode(prompt)
-        handles = _edits.hf_hooks(model, arch, edit_list, len(p_ids))  # the same edits, by hooks
+        handles = _edits.hf_hooks(model, arch, edit_list, len(p_ids), prompt=i)  # the same edits, by hooks
         try:
             if tokens is not None:
                 toks = list(tokens[i])

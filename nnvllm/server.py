@@ -209,13 +209,15 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         engine = model_.vllm_entrypoint
         try:
             # Final outputs only: a per-step output per request costs Python per request x step.
-            params = SamplingParams(**req["params"], output_kind=RequestOutputKind.FINAL_ONLY)
+            given = req["params"]
+            per = given if isinstance(given, list) else [given] * len(req["prompts"])
+            params = [SamplingParams(**p, output_kind=RequestOutputKind.FINAL_ONLY) for p in per]
         except (TypeError, ValueError) as e:
             return _torch_payload({"error": (type(e).__name__, str(e))})
 
-        async def one(prompt, request_id):
+        async def one(prompt, sp, request_id):
             output = None
-            async for output in engine.generate(prompt, params, request_id):
+            async for output in engine.generate(prompt, sp, request_id):
                 pass
             return plain_output(output)
 
@@ -224,7 +226,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             try:
                 await _rpc(engine, "nnvllm_arm", (req["spec"],))
                 try:
-                    outputs = await asyncio.gather(*(one(p, i) for p, i in zip(req["prompts"], ids)))
+                    outputs = await asyncio.gather(*(one(p, sp, i) for p, sp, i in zip(req["prompts"], params, ids)))
                 except BaseException:
                     await _rpc(engine, "nnvllm_disarm")
                     raise

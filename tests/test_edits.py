@@ -83,6 +83,29 @@ def test_steering_vector_from_contrastive_prompts_and_compare(model):
     assert report is not None
 
 
+def test_per_prompt_edits(model, fidelity):
+    """An edit with prompts= touches those prompts of the call only (the others equal a clean run)."""
+    kind, path, m = model
+    d = m.config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    three = PROMPTS + ["The capital of Italy is"]
+    edits = [nv.Edit.add(torch.randn(d, generator=g), layers=[1], scale=3.0, prompts=[1]),
+             nv.Edit.scale(0.5, layers=[0], site="mlp", prompts=[1, 2], positions="generated")]
+    clean = nv.generate(m, three, max_tokens=4, ignore_eos=True)
+    run = nv.generate(m, three, max_tokens=4, ignore_eos=True, edits=edits)
+    assert run.tokens[0] == clean.tokens[0] and (run.resid[0] - clean.resid[0]).abs().max() < 1e-5
+    assert (run.resid[1] - clean.resid[1]).abs().max() > 1e-2 and (run.resid[2] - clean.resid[2]).abs().max() > 1e-3
+    hf = fidelity.reference(path, three, max_tokens=4, ignore_eos=True, edits=edits)
+    assert run.tokens == hf.value.tokens
+    for i in range(3):
+        hf.check(run.resid[i], TOL, lambda r, i=i: r.resid[i], f"{kind} per-prompt: resid[{i}]")
+    assert run.meta["edits"][0]["prompts"] == [1]
+    with pytest.raises(ValueError, match=r"the call has 3 prompt\(s\)"):
+        nv.generate(m, three, max_tokens=1, edits=[nv.Edit.scale(2.0, layers=0, prompts=[3])])
+    with pytest.raises(ValueError, match="prompts='0'"):
+        nv.Edit.scale(2.0, layers=0, prompts="0")
+
+
 def test_bad_edits_are_refused_before_the_engine_runs(model):
     kind, path, m = model
     d = m.config.hidden_size

@@ -403,11 +403,12 @@ def test_edits_on_an_isolated_engine(iso, toy_path, fidelity):
     """Edits travel to an isolated engine (the GPU default) and equal the transformers-hooks edit."""
     d = nv.generate(iso, CLEAN, max_tokens=1, layers=[0]).resid[0].shape[-1]
     v = torch.randn(d, generator=torch.Generator().manual_seed(0))
-    edits = [nv.Edit.add(v, layers=1, scale=3.0), nv.Edit.set(0.0, layers=2, site="attn", positions="generated")]
+    edits = [nv.Edit.add(v, layers=1, scale=3.0), nv.Edit.set(0.0, layers=2, site="attn", positions="generated"),
+             nv.Edit.scale(0.5, layers=0, prompts=[1])]  # per-prompt: each request carries its index
     run = nv.generate(iso, [CLEAN, CORRUPT], max_tokens=3, ignore_eos=True, edits=edits)
     hf = fidelity.reference(toy_path, [CLEAN, CORRUPT], max_tokens=3, ignore_eos=True, edits=edits)
     assert run.tokens == hf.value.tokens
     for i in range(2):
         hf.check(run.resid[i], 1e-3, lambda r, i=i: r.resid[i], f"edited resid[{i}]")
-    assert [e["op"] for e in run.meta["edits"]] == ["add", "set"]
+    assert [e["op"] for e in run.meta["edits"]] == ["add", "set", "scale"]
     assert nv.steering_vector(iso, [CORRUPT], [CLEAN], layer=3).shape == (d,)
