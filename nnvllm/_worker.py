@@ -304,6 +304,10 @@ class _Capture:
         self.shm = _ShmFiles(taps.device) if remote and self.keep and taps.device.type == "cuda" else None
         self.timings: dict[str, float] = {}
         self.stats = {"rows": 0, "partial_prefills": 0, "eager": bool(self.need_eager)}
+        # nv.stream: positions computed per request (kept only when streaming) and how far peek() went
+        self.streaming = bool(spec.get("stream"))
+        self.done: dict[str, int] = {}
+        self.peeked: dict[str, int] = {}
         self.error: str | None = None
 
     def check_memory(self) -> None:
@@ -418,6 +422,8 @@ class _Capture:
         self.stats["rows"] += ntok
         done = runner.input_batch.num_computed_tokens_cpu[:n] + counts
         self.stats["partial_prefills"] += int((done < self.tab[:, 3]).sum())
+        if self.streaming:  # (a loop over the batch's requests: only when a stream will peek)
+            self.done.update(zip(ids, done.tolist()))
         pos = runner.positions[:ntok]
         if pos.device != dev:
             pos = pos.to(dev)
@@ -461,6 +467,31 @@ class _Capture:
                                torch.full_like(ldst, arena["_logits"].shape[0] - 1))
             rows = lg[:n] if len(arenas_here) == 1 else lg[_to(torch.from_numpy(req_sel), dev)]
             arena["_logits"].index_copy_(0, ldst, rows.to(arena["_logits"].dtype))
+
+    def peek(self) -> dict:
+        """For nv.stream: each request's rows computed since the last peek (positions ``[from, to)``
+        of the residual stream, on the host) and the logits rows of the steps those positions
+        produced (step ``s`` comes from position ``plen - 1 + s``). Small: a few positions per call."""
+        if self.error is not None:
+            return {"error": self.error}
+        if not self.keep:
+            return {}
+        out = {}
+        for rid, done in self.done.items():
+            a = self.peeked.get(rid, 0)
+            if done <= a:
+                continue
+            k, off, rows, loff, plen = self.requests[rid]
+            arena = self.arenas[k]
+            ent: dict[str, Any] = {"plen": plen, "from": a, "to": done}
+            if "resid" in self.sites:
+                ent["resid"] = arena["resid"][:, off + a: off + done].to("cpu")
+            s0, s1 = max(a - plen + 1, 0), max(done - plen + 1, 0)
+            if s1 > s0 and arena["_logits"].shape[1] > 1:
+                ent["logits"] = arena["_logits"][loff + s0: loff + s1].to("cpu")
+            self.peeked[rid] = done
+            out[rid] = ent
+        return out
 
     # ---- at the end
     def collect(self, tokens: dict[str, list[int]], same_process: bool) -> dict | None:
@@ -1024,6 +1055,18 @@ class CaptureWorker:
         runner._nnvllm_capture = None
         if cap is not None and cap.shm is not None:
             cap.shm.discard()
+
+    def nnvllm_peek(self) -> bytes | None:
+        """The armed capture's rows since the last peek (nv.stream) as ``torch.save`` bytes (an RPC
+        result crosses processes as msgpack, which does not keep tensors), or None when none is armed."""
+        cap = getattr(self.model_runner, "_nnvllm_capture", None)
+        if cap is None:
+            return None
+        import io
+
+        buf = io.BytesIO()
+        torch.save(cap.peek(), buf)
+        return buf.getvalue()
 
     def nnvllm_collect(self, tokens: dict, client_pid: int | None = None) -> dict | None:
         runner = self.model_runner
