@@ -39,6 +39,20 @@ def plain_output(out) -> dict:
             "token_ids": list(gen.token_ids), "text": gen.text, "finished": bool(out.finished)}
 
 
+def _no_raw_prompt_warning() -> None:
+    """``LLMEngine.add_request`` with a str prompt (what ``LLM.generate`` takes) warns on newer vLLM
+    that raw prompts are deprecated; the stream passes what generate passes: keep it off the page."""
+    import logging
+
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "Passing raw prompts" not in record.getMessage()
+
+    log = logging.getLogger("vllm.v1.engine.input_processor")
+    if not any(isinstance(f, _Drop) or type(f).__name__ == "_Drop" for f in log.filters):
+        log.addFilter(_Drop())
+
+
 PROMPT_TAG = "nnvllm_prompt"  # SamplingParams.extra_args key: the request's prompt index (per-prompt edits)
 
 
@@ -77,6 +91,7 @@ class InProcessEngine:
         call ends with what was produced. Closing the generator early aborts and disarms."""
         import uuid
 
+        _no_raw_prompt_warning()
         eng = self.llm.llm_engine
         sps = sampling_params(params)
         sps = sps if isinstance(sps, list) else [sps] * len(prompts)

@@ -846,7 +846,7 @@ class LiveGeneration(_Explorer):
                  **generate_kwargs: Any) -> None:
         import threading
 
-        from .stream import stream
+        from .streaming import stream
 
         super().__init__()
         if not isinstance(prompt, str):
