@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from typing import Sequence
 
 import torch
@@ -25,6 +26,9 @@ __all__ = ["generate"]
 # (rows placed, prompt chunks), which the scheduling tests read.
 _LAST_TIMINGS: dict[str, float] = {}
 _LAST_STATS: dict[str, int] = {}
+# Where the last generate's time went on the client side (benchmarks): the arm RPC, the engine's
+# generate, the collect RPC (hand-off included), then assembling the Run (``client_*`` in _LAST_TIMINGS).
+_CLIENT_TIMINGS: dict[str, float] = {}
 
 # ---------------------------------------------------------------- the engine adapter
 # generate() and unembedding() reach the engine through one of these: in-process it is vLLM's
@@ -74,15 +78,20 @@ class InProcessEngine:
 
     def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
         """Arm the worker, generate, collect: (plain outputs, the worker's hand-off)."""
+        t0 = time.perf_counter()
         self.llm.collective_rpc("nnvllm_arm", args=(spec,))
+        t1 = time.perf_counter()
         try:
             with interruptible(self.llm):
                 outputs = [plain_output(o) for o in self.llm.generate(prompts, sampling_params(params), use_tqdm=False)]
         except BaseException:
             self.llm.collective_rpc("nnvllm_disarm")
             raise
+        t2 = time.perf_counter()
         tokens = {o["request_id"]: o["token_ids"] for o in outputs}
-        return outputs, self.llm.collective_rpc("nnvllm_collect", args=(tokens, os.getpid()))[0]
+        handoff = self.llm.collective_rpc("nnvllm_collect", args=(tokens, os.getpid()))[0]
+        _CLIENT_TIMINGS.update(arm=t1 - t0, generate=t2 - t1, collect=time.perf_counter() - t2)
+        return outputs, handoff
 
     def stream(self, prompts: list[str], params, spec: dict, stop: threading.Event):
         """:meth:`capture`, step by step: yields ``("step", outputs so far, peek)`` after each engine
@@ -266,10 +275,17 @@ def generate(
         >>> run.text[0], run.resid[0].shape                                        # doctest: +SKIP
         (' Paris.', torch.Size([6, 6, 64]))
     """
+    t0 = time.perf_counter()
+    _CLIENT_TIMINGS.clear()
     req = _request(model, prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                    layers=layers, logits=logits, top_k=top_k, sites=sites, ignore_eos=ignore_eos, edits=edits)
+    t1 = time.perf_counter()
     outputs, handoff = req.engine.capture(req.prompts, req.params, req.spec)
-    return _assemble(model, req, outputs, handoff)
+    t2 = time.perf_counter()
+    run = _assemble(model, req, outputs, handoff)
+    _LAST_TIMINGS.update({f"client_{k}": v for k, v in _CLIENT_TIMINGS.items()})
+    _LAST_TIMINGS.update(client_request=t1 - t0, client_capture=t2 - t1, client_assemble=time.perf_counter() - t2)
+    return run
 
 
 class _Request:

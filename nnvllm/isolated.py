@@ -340,10 +340,14 @@ class RemoteEngine:
     def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
         import torch
 
+        from .capture import _CLIENT_TIMINGS
+
+        t0 = time.perf_counter()
         buf = io.BytesIO()
         torch.save({"prompts": prompts, "params": params, "spec": spec}, buf)
         r = self.conn.request("POST", "/v1/nnvllm/generate", content=buf.getvalue(),
                               headers={"Content-Type": "application/octet-stream"})
+        _CLIENT_TIMINGS.update(http=time.perf_counter() - t0)
         # Plain data only (ids, text, file names of the shared-memory hand-off): never unpickle.
         res = torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=True)
         if res.get("error"):
