@@ -96,7 +96,7 @@ class _Taps:
         generated positions (a replayed graph runs decode steps only, whose rows are all generated
         positions). Anything else runs the edited generation's steps eagerly."""
         return self.gadd is not None and all(
-            e["op"] == "add" and e["site"] == "resid" and e["positions"] in ("all", "generated")
+            e["op"] == "add" and e["site"] == "resid" and e["positions"] in ("all", "generated")  # (a str)
             and e.get("prompts") is None for e in edits)
 
     def arm_edits(self, edits: list[dict]) -> None:
@@ -107,8 +107,9 @@ class _Taps:
         armed = []
         for e in edits:
             vec, vals = e.get("vector"), e.get("values")
-            pr = e.get("prompts")
+            pr, at = e.get("prompts"), e["positions"]
             armed.append({**e, "layers": {j: k for k, j in enumerate(e["layers"])},
+                          "at": torch.tensor(at, dtype=torch.int64, device=self.device) if isinstance(at, list) else None,
                           "prompts": None if pr is None else torch.tensor(pr, dtype=torch.int64, device=self.device),
                           "vec": None if vec is None else torch.tensor(vec, dtype=torch.float32, device=self.device),
                           "vals": None if vals is None else torch.tensor(vals, dtype=torch.float32, device=self.device)})
@@ -159,7 +160,10 @@ class _Taps:
             if e["site"] != site or j not in e["layers"]:
                 continue
             pos, prompt, generated, which = self._rows(x.shape[0], x.device)
-            m = {"all": None, "prompt": prompt, "generated": generated}[e["positions"]]
+            if e["at"] is not None:  # explicit token positions
+                m = torch.isin(pos, e["at"])
+            else:
+                m = {"all": None, "prompt": prompt, "generated": generated}[e["positions"]]
             if e["prompts"] is not None:
                 mine = torch.isin(which, e["prompts"])
                 m = mine if m is None else (m & mine)
@@ -215,13 +219,15 @@ class _Taps:
                 if h.is_cuda and torch.cuda.is_current_stream_capturing():
                     h.add_(self.gadd[j])  # recorded into every graph (see arm_edits); eager steps skip it
             if isinstance(out, tuple):
-                if site == "resid" and len(out) > 1 and out[1] is not None:
+                if site == "resid" and len(out) > 1 and isinstance(out[1], torch.Tensor):
                     # Llama-style blocks return (hidden, residual): the residual stream is their sum.
+                    h, r = _tokens(out[0]), _tokens(out[1])
                     if self.edits:
-                        self._apply_edits(site, j, out[0], out[1])
-                    self._write(site, j, out[0], out[1])
+                        self._apply_edits(site, j, h, r)
+                    self._write(site, j, h, r)
                     return
                 out = out[0]
+            out = _tokens(out)
             if self.edits:
                 self._apply_edits(site, j, out)
             self._write(site, j, out)
@@ -229,9 +235,10 @@ class _Taps:
 
     def _input_hook(self, site: str, j: int):
         def hook(module, args):
+            x = _tokens(args[0])
             if self.edits:
-                self._apply_edits(site, j, args[0])
-            self._write(site, j, args[0])
+                self._apply_edits(site, j, x)
+            self._write(site, j, x)
         return hook
 
     def allocate_static(self, widths: dict[str, int]) -> None:
@@ -252,6 +259,12 @@ class _Taps:
             self.in_graph.add(site)
         if "resid" in widths:
             self.gadd = torch.zeros(self.n_layers, widths["resid"], dtype=self.dtype, device=self.device)
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """``[tokens, width]``: vLLM's native blocks see the batch's tokens flattened; transformers' blocks
+    under vLLM's Transformers backend see ``[1, tokens, width]`` (a view, so in-place edits land)."""
+    return x[0] if x.dim() == 3 and x.shape[0] == 1 else x
 
 
 def _site_widths(model: Any, arch: dict, tp: int) -> dict[str, int]:
@@ -980,7 +993,7 @@ class RecordingRunner:
             return
         from .arch import arch_for
 
-        a = arch_for(self.model_config.architectures)
+        a = arch_for(self.model_config.architectures).in_engine(self.get_model())
         arch = {"family": a.family, "blocks": a.blocks, "sites": dict(a.sites), "merged_gate_up": a.merged_gate_up}
         cap = 0
         if self.device.type == "cuda" and not self.model_config.enforce_eager:
@@ -1056,6 +1069,19 @@ class CaptureWorker:
         if cap is not None and cap.shm is not None:
             cap.shm.discard()
 
+    def nnvllm_spares(self, drop: bool = False) -> dict:
+        """This worker's pid and the hand-off files it keeps ready between captures (:class:`_Spares`);
+        ``drop=True`` removes them (their shared memory goes back now)."""
+        paths = []
+        for _, fut in _SPARES.files:
+            try:
+                paths.append(fut.result(timeout=30).path)
+            except Exception:  # noqa: BLE001
+                pass
+        if drop:
+            _SPARES.drop()
+        return {"pid": os.getpid(), "files": paths}
+
     def nnvllm_peek(self) -> bytes | None:
         """The armed capture's rows since the last peek (nv.stream) as ``torch.save`` bytes (an RPC
         result crosses processes as msgpack, which does not keep tensors), or None when none is armed."""
@@ -1086,9 +1112,14 @@ class CaptureWorker:
 
     def nnvllm_unembed(self, final_norm: str, unembed: str) -> bytes:
         """Return this rank's final norm and its slice of the unembedding (original vocab rows only)."""
+        from .arch import arch_for
+
         model = self.model_runner.get_model()
-        norm = model.get_submodule(final_norm)
-        head = model.get_submodule(unembed)
+        try:
+            norm, head = model.get_submodule(final_norm), model.get_submodule(unembed)
+        except AttributeError:  # the client named transformers' paths; vLLM's tree moves them
+            a = arch_for(self.model_runner.model_config.architectures).in_engine(model)
+            norm, head = model.get_submodule(a.final_norm), model.get_submodule(a.unembed)
         w = head.weight.detach()
         idx = getattr(head, "shard_indices", None)
         if idx is not None:  # VocabParallelEmbedding / ParallelLMHead: [org slice, padding, added]

@@ -728,7 +728,7 @@ def attach(cls_for, url: str, token: str | None, checkpoint: str | None):
 
 
 def _init(model, checkpoint: str, arch) -> None:
-    model.arch = arch
+    model.arch = arch.in_engine(model._module)  # vLLM's tree (its Transformers backend moves the blocks)
     model.checkpoint = checkpoint
     model._conn = None
     model._server = None
