@@ -668,14 +668,21 @@ class _ShmFile:
         self.mm = None
         self.ptr = 0
         self.registered = False
+        self.spare = False  # made between captures (_Spares)
+        self.prep: dict[str, float] = {}  # seconds per preparation stage (benchmarks)
         if nbytes:
             try:
-                os.posix_fallocate(self.fd, 0, nbytes)
                 import mmap
+                import time
 
+                t0 = time.perf_counter()
+                os.posix_fallocate(self.fd, 0, nbytes)
+                t1 = time.perf_counter()
                 self.mm = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                t2 = time.perf_counter()
                 if pin:
                     self.register(device)
+                self.prep = {"fallocate": t1 - t0, "map": t2 - t1, "register": time.perf_counter() - t2}
             except BaseException:  # e.g. /dev/shm full: leave no file behind
                 os.close(self.fd)
                 os.unlink(self.path)
@@ -782,6 +789,12 @@ class _Spares:
             _discard_when_ready(fut)
 
 
+def _spare(nbytes: int, pin: bool, device: Any) -> "_ShmFile":
+    f = _ShmFile(nbytes, pin, device)
+    f.spare = True
+    return f
+
+
 def _discard_when_ready(fut) -> None:
     try:
         fut.result(timeout=30).discard()
@@ -819,16 +832,24 @@ class _ShmFiles:
     def prepare(self, nbytes: int) -> None:
         self.ready.append(_SPARES.take(nbytes) or (nbytes, _SPARES.submit(_ShmFile, nbytes, self.pin, self.device)))
 
-    def take(self, nbytes: int) -> _ShmFile:
+    def take(self, nbytes: int, timings: dict | None = None) -> _ShmFile:
         """The smallest prepared file of at least ``nbytes`` (waiting for that one only), else a new
-        one; it is handed over."""
+        one; it is handed over. ``timings`` gets how its preparation went (benchmarks)."""
         fits = [(size, i) for i, (size, _) in enumerate(self.ready) if size >= nbytes]
         if fits:
-            f = self.ready.pop(min(fits)[1])[1].result()
+            fut = self.ready.pop(min(fits)[1])[1]
+            ready = fut.done()
+            f = fut.result()
         else:
+            ready = False
             f = self._make(nbytes)
         self.handed.add(f.path)
         self.sizes.append(nbytes)
+        if timings is not None:
+            for k, v in f.prep.items():
+                timings[f"file_{k}"] = timings.get(f"file_{k}", 0.0) + v
+            timings["files_ready"] = timings.get("files_ready", 0) + int(ready)
+            timings["files_spare"] = timings.get("files_spare", 0) + int(f.spare)
         return f
 
     def release(self, f: _ShmFile, keep: int) -> None:
@@ -840,7 +861,7 @@ class _ShmFiles:
         whatever path led here (an error mid-hand-off included)."""
         ready, self.ready = self.ready, []
         if SPARE_BYTES > 0 and self.sizes:
-            _SPARES.refill(self.sizes, ready, lambda n: _ShmFile(n, self.pin, self.device))
+            _SPARES.refill(self.sizes, ready, lambda n: _spare(n, self.pin, self.device))
         else:
             for _, fut in ready:
                 _SPARES.submit(_discard_when_ready, fut)
@@ -927,7 +948,7 @@ def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFi
     for name, v in tensors.items():
         nbytes = v.numel() * v.element_size()
         t0 = time.perf_counter()
-        f = shm.take(nbytes) if shm is not None else _ShmFile(nbytes)
+        f = shm.take(nbytes, timings) if shm is not None else _ShmFile(nbytes)
         t1 = time.perf_counter()
         if nbytes:
             _d2h(f.host(nbytes, v.dtype, v.shape), v, mode, f)
