@@ -47,7 +47,7 @@ demo: setup
 # Everything: unit + engine tests (TP=1), the seed's tests under TP=2, notebooks, browser, docs.
 test: setup browser
 	$(BIN)/python -m pytest -q -ra tests/ --tp 1
-	$(BIN)/python -m pytest -q -ra tests/test_vllm.py tests/test_edits.py --tp $(TP)
+	$(BIN)/python -m pytest -q -ra tests/test_vllm.py tests/test_edits.py tests/test_stream.py --tp $(TP)
 	$(BIN)/python -m pytest -q -ra tests/test_isolated.py -m tp --tp $(TP)
 	$(BIN)/python -m pytest -q -ra --nbmake notebooks/
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q

@@ -7,6 +7,9 @@ The public verbs, one hop from here:
 - :func:`generate` (``capture.py``) — one generation: logits, samples, every layer's activations.
 - :class:`Edit`, :func:`steering_vector` (``edits.py``) — change the model while it generates
   (``generate(..., edits=[...])``: steering, ablation, scaling), the same in :func:`reference`.
+- :func:`stream` (``streaming.py``) — the same, step by step while the engine generates (:class:`Stream`
+  of :class:`Step` s: new tokens, their probabilities, the lens top-1 per layer); ``LiveGeneration``
+  (``widgets.py``) shows it live with a Stop button.
 - :func:`collect` (``store.py``) — many prompts, chunked to disk under a memory budget, read lazily.
 - :func:`reference` (``reference.py``) — the same capture on plain transformers (ground truth).
 - :func:`logit_lens`, :func:`patch` (``analyses.py``; math in ``lens.py``, ``patching.py``).
@@ -35,9 +38,10 @@ from .patching import PatchResult
 from .reference import reference
 from .results import Run, Samples
 from .store import Dataset, collect
+from .streaming import Step, Stream, stream
 
 __version__ = "0.1.0"
-__all__ = ["load", "engines", "EngineDied", "generate", "Edit", "steering_vector", "collect", "reference", "logit_lens", "patch", "compare",
+__all__ = ["load", "engines", "EngineDied", "generate", "stream", "Stream", "Step", "Edit", "steering_vector", "collect", "reference", "logit_lens", "patch", "compare",
            "Run", "Samples", "Lens", "PatchResult", "Discrepancy", "Dataset", "EngineInfo", "Arch", "ARCHS",
            "register_arch", "sampling", "toy",
            "__version__"]

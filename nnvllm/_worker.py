@@ -96,7 +96,7 @@ class _Taps:
         generated positions (a replayed graph runs decode steps only, whose rows are all generated
         positions). Anything else runs the edited generation's steps eagerly."""
         return self.gadd is not None and all(
-            e["op"] == "add" and e["site"] == "resid" and e["positions"] in ("all", "generated")
+            e["op"] == "add" and e["site"] == "resid" and e["positions"] in ("all", "generated")  # (a str)
             and e.get("prompts") is None for e in edits)
 
     def arm_edits(self, edits: list[dict]) -> None:
@@ -107,8 +107,9 @@ class _Taps:
         armed = []
         for e in edits:
             vec, vals = e.get("vector"), e.get("values")
-            pr = e.get("prompts")
+            pr, at = e.get("prompts"), e["positions"]
             armed.append({**e, "layers": {j: k for k, j in enumerate(e["layers"])},
+                          "at": torch.tensor(at, dtype=torch.int64, device=self.device) if isinstance(at, list) else None,
                           "prompts": None if pr is None else torch.tensor(pr, dtype=torch.int64, device=self.device),
                           "vec": None if vec is None else torch.tensor(vec, dtype=torch.float32, device=self.device),
                           "vals": None if vals is None else torch.tensor(vals, dtype=torch.float32, device=self.device)})
@@ -159,7 +160,10 @@ class _Taps:
             if e["site"] != site or j not in e["layers"]:
                 continue
             pos, prompt, generated, which = self._rows(x.shape[0], x.device)
-            m = {"all": None, "prompt": prompt, "generated": generated}[e["positions"]]
+            if e["at"] is not None:  # explicit token positions
+                m = torch.isin(pos, e["at"])
+            else:
+                m = {"all": None, "prompt": prompt, "generated": generated}[e["positions"]]
             if e["prompts"] is not None:
                 mine = torch.isin(which, e["prompts"])
                 m = mine if m is None else (m & mine)
@@ -215,13 +219,15 @@ class _Taps:
                 if h.is_cuda and torch.cuda.is_current_stream_capturing():
                     h.add_(self.gadd[j])  # recorded into every graph (see arm_edits); eager steps skip it
             if isinstance(out, tuple):
-                if site == "resid" and len(out) > 1 and out[1] is not None:
+                if site == "resid" and len(out) > 1 and isinstance(out[1], torch.Tensor):
                     # Llama-style blocks return (hidden, residual): the residual stream is their sum.
+                    h, r = _tokens(out[0]), _tokens(out[1])
                     if self.edits:
-                        self._apply_edits(site, j, out[0], out[1])
-                    self._write(site, j, out[0], out[1])
+                        self._apply_edits(site, j, h, r)
+                    self._write(site, j, h, r)
                     return
                 out = out[0]
+            out = _tokens(out)
             if self.edits:
                 self._apply_edits(site, j, out)
             self._write(site, j, out)
@@ -229,9 +235,10 @@ class _Taps:
 
     def _input_hook(self, site: str, j: int):
         def hook(module, args):
+            x = _tokens(args[0])
             if self.edits:
-                self._apply_edits(site, j, args[0])
-            self._write(site, j, args[0])
+                self._apply_edits(site, j, x)
+            self._write(site, j, x)
         return hook
 
     def allocate_static(self, widths: dict[str, int]) -> None:
@@ -252,6 +259,12 @@ class _Taps:
             self.in_graph.add(site)
         if "resid" in widths:
             self.gadd = torch.zeros(self.n_layers, widths["resid"], dtype=self.dtype, device=self.device)
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """``[tokens, width]``: vLLM's native blocks see the batch's tokens flattened; transformers' blocks
+    under vLLM's Transformers backend see ``[1, tokens, width]`` (a view, so in-place edits land)."""
+    return x[0] if x.dim() == 3 and x.shape[0] == 1 else x
 
 
 def _site_widths(model: Any, arch: dict, tp: int) -> dict[str, int]:
@@ -304,6 +317,10 @@ class _Capture:
         self.shm = _ShmFiles(taps.device) if remote and self.keep and taps.device.type == "cuda" else None
         self.timings: dict[str, float] = {}
         self.stats = {"rows": 0, "partial_prefills": 0, "eager": bool(self.need_eager)}
+        # nv.stream: positions computed per request (kept only when streaming) and how far peek() went
+        self.streaming = bool(spec.get("stream"))
+        self.done: dict[str, int] = {}
+        self.peeked: dict[str, int] = {}
         self.error: str | None = None
 
     def check_memory(self) -> None:
@@ -418,6 +435,8 @@ class _Capture:
         self.stats["rows"] += ntok
         done = runner.input_batch.num_computed_tokens_cpu[:n] + counts
         self.stats["partial_prefills"] += int((done < self.tab[:, 3]).sum())
+        if self.streaming:  # (a loop over the batch's requests: only when a stream will peek)
+            self.done.update(zip(ids, done.tolist()))
         pos = runner.positions[:ntok]
         if pos.device != dev:
             pos = pos.to(dev)
@@ -461,6 +480,31 @@ class _Capture:
                                torch.full_like(ldst, arena["_logits"].shape[0] - 1))
             rows = lg[:n] if len(arenas_here) == 1 else lg[_to(torch.from_numpy(req_sel), dev)]
             arena["_logits"].index_copy_(0, ldst, rows.to(arena["_logits"].dtype))
+
+    def peek(self) -> dict:
+        """For nv.stream: each request's rows computed since the last peek (positions ``[from, to)``
+        of the residual stream, on the host) and the logits rows of the steps those positions
+        produced (step ``s`` comes from position ``plen - 1 + s``). Small: a few positions per call."""
+        if self.error is not None:
+            return {"error": self.error}
+        if not self.keep:
+            return {}
+        out = {}
+        for rid, done in self.done.items():
+            a = self.peeked.get(rid, 0)
+            if done <= a:
+                continue
+            k, off, rows, loff, plen = self.requests[rid]
+            arena = self.arenas[k]
+            ent: dict[str, Any] = {"plen": plen, "from": a, "to": done}
+            if "resid" in self.sites:
+                ent["resid"] = arena["resid"][:, off + a: off + done].to("cpu")
+            s0, s1 = max(a - plen + 1, 0), max(done - plen + 1, 0)
+            if s1 > s0 and arena["_logits"].shape[1] > 1:
+                ent["logits"] = arena["_logits"][loff + s0: loff + s1].to("cpu")
+            self.peeked[rid] = done
+            out[rid] = ent
+        return out
 
     # ---- at the end
     def collect(self, tokens: dict[str, list[int]], same_process: bool) -> dict | None:
@@ -624,14 +668,21 @@ class _ShmFile:
         self.mm = None
         self.ptr = 0
         self.registered = False
+        self.spare = False  # made between captures (_Spares)
+        self.prep: dict[str, float] = {}  # seconds per preparation stage (benchmarks)
         if nbytes:
             try:
-                os.posix_fallocate(self.fd, 0, nbytes)
                 import mmap
+                import time
 
+                t0 = time.perf_counter()
+                os.posix_fallocate(self.fd, 0, nbytes)
+                t1 = time.perf_counter()
                 self.mm = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                t2 = time.perf_counter()
                 if pin:
                     self.register(device)
+                self.prep = {"fallocate": t1 - t0, "map": t2 - t1, "register": time.perf_counter() - t2}
             except BaseException:  # e.g. /dev/shm full: leave no file behind
                 os.close(self.fd)
                 os.unlink(self.path)
@@ -738,6 +789,12 @@ class _Spares:
             _discard_when_ready(fut)
 
 
+def _spare(nbytes: int, pin: bool, device: Any) -> "_ShmFile":
+    f = _ShmFile(nbytes, pin, device)
+    f.spare = True
+    return f
+
+
 def _discard_when_ready(fut) -> None:
     try:
         fut.result(timeout=30).discard()
@@ -775,16 +832,24 @@ class _ShmFiles:
     def prepare(self, nbytes: int) -> None:
         self.ready.append(_SPARES.take(nbytes) or (nbytes, _SPARES.submit(_ShmFile, nbytes, self.pin, self.device)))
 
-    def take(self, nbytes: int) -> _ShmFile:
+    def take(self, nbytes: int, timings: dict | None = None) -> _ShmFile:
         """The smallest prepared file of at least ``nbytes`` (waiting for that one only), else a new
-        one; it is handed over."""
+        one; it is handed over. ``timings`` gets how its preparation went (benchmarks)."""
         fits = [(size, i) for i, (size, _) in enumerate(self.ready) if size >= nbytes]
         if fits:
-            f = self.ready.pop(min(fits)[1])[1].result()
+            fut = self.ready.pop(min(fits)[1])[1]
+            ready = fut.done()
+            f = fut.result()
         else:
+            ready = False
             f = self._make(nbytes)
         self.handed.add(f.path)
         self.sizes.append(nbytes)
+        if timings is not None:
+            for k, v in f.prep.items():
+                timings[f"file_{k}"] = timings.get(f"file_{k}", 0.0) + v
+            timings["files_ready"] = timings.get("files_ready", 0) + int(ready)
+            timings["files_spare"] = timings.get("files_spare", 0) + int(f.spare)
         return f
 
     def release(self, f: _ShmFile, keep: int) -> None:
@@ -796,7 +861,7 @@ class _ShmFiles:
         whatever path led here (an error mid-hand-off included)."""
         ready, self.ready = self.ready, []
         if SPARE_BYTES > 0 and self.sizes:
-            _SPARES.refill(self.sizes, ready, lambda n: _ShmFile(n, self.pin, self.device))
+            _SPARES.refill(self.sizes, ready, lambda n: _spare(n, self.pin, self.device))
         else:
             for _, fut in ready:
                 _SPARES.submit(_discard_when_ready, fut)
@@ -883,7 +948,7 @@ def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFi
     for name, v in tensors.items():
         nbytes = v.numel() * v.element_size()
         t0 = time.perf_counter()
-        f = shm.take(nbytes) if shm is not None else _ShmFile(nbytes)
+        f = shm.take(nbytes, timings) if shm is not None else _ShmFile(nbytes)
         t1 = time.perf_counter()
         if nbytes:
             _d2h(f.host(nbytes, v.dtype, v.shape), v, mode, f)
@@ -949,7 +1014,7 @@ class RecordingRunner:
             return
         from .arch import arch_for
 
-        a = arch_for(self.model_config.architectures)
+        a = arch_for(self.model_config.architectures).in_engine(self.get_model())
         arch = {"family": a.family, "blocks": a.blocks, "sites": dict(a.sites), "merged_gate_up": a.merged_gate_up}
         cap = 0
         if self.device.type == "cuda" and not self.model_config.enforce_eager:
@@ -1025,6 +1090,31 @@ class CaptureWorker:
         if cap is not None and cap.shm is not None:
             cap.shm.discard()
 
+    def nnvllm_spares(self, drop: bool = False) -> dict:
+        """This worker's pid and the hand-off files it keeps ready between captures (:class:`_Spares`);
+        ``drop=True`` removes them (their shared memory goes back now)."""
+        paths = []
+        for _, fut in _SPARES.files:
+            try:
+                paths.append(fut.result(timeout=30).path)
+            except Exception:  # noqa: BLE001
+                pass
+        if drop:
+            _SPARES.drop()
+        return {"pid": os.getpid(), "files": paths}
+
+    def nnvllm_peek(self) -> bytes | None:
+        """The armed capture's rows since the last peek (nv.stream) as ``torch.save`` bytes (an RPC
+        result crosses processes as msgpack, which does not keep tensors), or None when none is armed."""
+        cap = getattr(self.model_runner, "_nnvllm_capture", None)
+        if cap is None:
+            return None
+        import io
+
+        buf = io.BytesIO()
+        torch.save(cap.peek(), buf)
+        return buf.getvalue()
+
     def nnvllm_collect(self, tokens: dict, client_pid: int | None = None) -> dict | None:
         runner = self.model_runner
         cap = getattr(runner, "_nnvllm_capture", None)
@@ -1043,9 +1133,14 @@ class CaptureWorker:
 
     def nnvllm_unembed(self, final_norm: str, unembed: str) -> bytes:
         """Return this rank's final norm and its slice of the unembedding (original vocab rows only)."""
+        from .arch import arch_for
+
         model = self.model_runner.get_model()
-        norm = model.get_submodule(final_norm)
-        head = model.get_submodule(unembed)
+        try:
+            norm, head = model.get_submodule(final_norm), model.get_submodule(unembed)
+        except AttributeError:  # the client named transformers' paths; vLLM's tree moves them
+            a = arch_for(self.model_runner.model_config.architectures).in_engine(model)
+            norm, head = model.get_submodule(a.final_norm), model.get_submodule(a.unembed)
         w = head.weight.detach()
         idx = getattr(head, "shard_indices", None)
         if idx is not None:  # VocabParallelEmbedding / ParallelLMHead: [org slice, padding, added]

@@ -112,17 +112,6 @@ def _single_token(tok, text: str | int, name: str, vocab_size: int | None = None
     return ids[0]
 
 
-def _site_envoy(model, layer: int, site: str):
-    obj = model
-    for part in model.arch.blocks.split("."):
-        obj = getattr(obj, part)
-    obj = obj[layer]
-    path, _ = model.arch.site(site)
-    for part in path.split(".") if path else []:
-        obj = getattr(obj, part)
-    return obj
-
-
 def patch(
     model,
     clean: str,
@@ -139,9 +128,11 @@ def patch(
 
     For each cell the corrupt prompt runs with that block's ``site`` value at that position replaced
     by the clean prompt's, and the normalized logit difference ``answer - wrong`` of the first
-    generated token is measured: 1 = clean behaviour restored, 0 = corrupt baseline. vLLM refuses
-    ``tracer.barrier``, so the clean pass is its own generation; all patched passes go to the
-    engine in one trace (one invoke each), which vLLM batches.
+    generated token is measured: 1 = clean behaviour restored, 0 = corrupt baseline. The clean and
+    corrupt runs are one generation; the patched runs are batched generations of the corrupt prompt
+    (64 per call), each carrying its own edit (:class:`~nnvllm.Edit` ``set`` at one layer and
+    position, ``prompts=[k]``), made by the engine's worker hooks: the same for every model family
+    nnvllm captures, including those vLLM runs through its Transformers backend.
 
     Args:
         model: from :func:`nnvllm.load`.
@@ -225,38 +216,22 @@ def patch(
     seq = base.sequence(0)
 
     cells = [(j, layer, p) for j, layer in enumerate(L) for p in P]
-    llama_resid = site == "resid" and model.arch.returns_residual
     diffs = torch.zeros(len(cells))
-    chunk = 64  # invokes per trace: bounded so a progress bar moves and memory stays flat
+    chunk = 64  # patched runs per call: bounded so a progress bar moves and memory stays flat
     bar = tqdm(total=len(cells), desc="patching", disable=not progress, leave=False)
-    from .engine import quiet_generate
+    from .edits import Edit
 
     for start in range(0, len(cells), chunk):
         part = cells[start : start + chunk]
-        with quiet_generate(model), model.trace(temperature=0.0, max_tokens=step + 1, ignore_eos=True) as tracer:
-            for k, (j, layer, p) in enumerate(part):
-                vec = clean_acts[j, p]
-                row = p if step == 0 else 0  # a decode step's slab holds one row: the fed token
-                with tracer.invoke(corrupt):
-                    for _ in tracer.iter[step : step + 1]:
-                        out = _site_envoy(model, layer, site).output
-                        if llama_resid:  # (hidden, residual): make their sum the clean stream
-                            out[0][row] = vec
-                            out[1][row] = 0
-                        else:
-                            out[row] = vec
-                        pair = model.logits[0, [a_id, w_id]].save()
-        # A name saved in several invokes comes back as a list in submission order (in-process, and
-        # from an isolated engine: nnvllm's server merges the same way); one invoke's is the value.
-        pairs = pair if isinstance(pair, list) else [pair]
-        if len(pairs) != len(part):  # e.g. a stock nnsight-serve engine keeps only the last invoke's
-            raise RuntimeError(
-                f"the engine returned {len(pairs)} saved value(s) for {len(part)} patched passes; it must "
-                "return one per invoke (nnvllm's engines do). Attach to an nnvllm server "
-                "(python -m nnvllm.server)."
-            )
-        for k, v in enumerate(pairs):
-            diffs[start + k] = float(v[0] - v[1])
+        # One batch of corrupt runs, each with its own edit (prompts=[k]): the clean value of the site
+        # at that layer and position, made by the worker's hooks (nnvllm.edits) like any edit. For a
+        # Llama-style block's stream the edit makes the whole stream the clean one. Step s > 0 patches
+        # the position fed at that step (P holds it), so only that step's forward is touched.
+        edits = [Edit.set(clean_acts[j, p], layers=[layer], site=site, positions=[p], prompts=[k])
+                 for k, (j, layer, p) in enumerate(part)]
+        run = generate(model, [corrupt] * len(part), max_tokens=step + 1, layers=None, ignore_eos=True, edits=edits)
+        for k in range(len(part)):
+            diffs[start + k] = float(logit_diff(run.logits[k][step], a_id, w_id))
         bar.update(len(part))
     bar.close()
     patched = diffs.view(len(L), len(P))

@@ -57,6 +57,29 @@ class Arch:
     returns_residual: bool = False
     logit_softcap: str | None = None
 
+    def in_engine(self, root) -> "Arch":
+        """This layout with ``blocks``, ``final_norm`` and ``unembed`` as they are in ``root``, vLLM's
+        model tree. vLLM runs some families through its Transformers backend
+        (``TransformersForCausalLM``: transformers' own blocks under ``model``, the head at
+        ``lm_head``) instead of a native class with transformers' paths: GPT-NeoX on vLLM 0.32 (native
+        on 0.26), OLMo 2 on both. Sites are relative to a block: the same either way."""
+        try:
+            root.get_submodule(self.blocks)
+            return self
+        except AttributeError:
+            pass
+        if type(root).__name__.startswith("Transformers"):
+            inner = lambda path: "model." + path.split(".", 1)[1] if "." in path else path  # noqa: E731
+            moved = dataclasses.replace(self, blocks=inner(self.blocks), final_norm=inner(self.final_norm),
+                                        unembed="lm_head")
+            try:
+                root.get_submodule(moved.blocks)
+                return moved
+            except AttributeError:
+                pass
+        raise ValueError(f"the {self.family} layout puts its blocks at {self.blocks!r}, which vLLM's "
+                         f"{type(root).__name__} does not have; register a layout for it with nnvllm.register_arch")
+
     def site(self, name: str) -> tuple[str, str]:
         if name not in self.sites:
             raise ValueError(f"site={name!r} is not one of {sorted(self.sites)}") from None
@@ -128,6 +151,21 @@ _QWEN3_MOE = Arch(family="qwen3_moe", blocks="model.layers", final_norm="model.n
                   sites={k: v for k, v in _LLAMA_SITES.items() if k in ("resid", "attn", "mlp")},
                   returns_residual=True)
 
+# GPT-NeoX (Pythia): parallel attention and MLP, one residual add; LayerNorms; untied embed_out. The
+# block returns the stream. Native in vLLM 0.26, the Transformers backend in 0.32 (Arch.in_engine).
+_GPT_NEOX = Arch(family="gpt_neox", blocks="gpt_neox.layers", final_norm="gpt_neox.final_layer_norm",
+                 unembed="embed_out",
+                 sites={"resid": ("", "output"), "attn": ("attention", "output"), "mlp": ("mlp", "output"),
+                        "mlp_in": ("mlp.dense_h_to_4h", "output"), "mlp_act": ("mlp.dense_4h_to_h", "input")})
+
+# OLMo 2: post-norms (each sublayer's output is normed before its residual add; "attn" and "mlp" are
+# the sublayer outputs before those norms), q/k norms. vLLM runs it through its Transformers backend:
+# transformers' own block, which returns the stream; gate and up stay two projections there, so there
+# is no single mlp_in.
+_OLMO2 = Arch(family="olmo2", blocks="model.layers", final_norm="model.norm", unembed="lm_head",
+              sites={"resid": ("", "output"), "attn": ("self_attn", "output"), "mlp": ("mlp", "output"),
+                     "mlp_act": ("mlp.down_proj", "input")})
+
 #: HF architecture name -> layout.
 ARCHS: dict[str, Arch] = {
     "GPT2LMHeadModel": _GPT2,
@@ -139,6 +177,8 @@ ARCHS: dict[str, Arch] = {
     "Gemma2ForCausalLM": _GEMMA2,
     "Gemma3ForCausalLM": _GEMMA3,
     "Qwen3MoeForCausalLM": _QWEN3_MOE,
+    "GPTNeoXForCausalLM": _GPT_NEOX,
+    "Olmo2ForCausalLM": _OLMO2,
 }
 
 

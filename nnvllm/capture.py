@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from typing import Sequence
 
 import torch
@@ -25,6 +26,9 @@ __all__ = ["generate"]
 # (rows placed, prompt chunks), which the scheduling tests read.
 _LAST_TIMINGS: dict[str, float] = {}
 _LAST_STATS: dict[str, int] = {}
+# Where the last generate's time went on the client side (benchmarks): the arm RPC, the engine's
+# generate, the collect RPC (hand-off included), then assembling the Run (``client_*`` in _LAST_TIMINGS).
+_CLIENT_TIMINGS: dict[str, float] = {}
 
 # ---------------------------------------------------------------- the engine adapter
 # generate() and unembedding() reach the engine through one of these: in-process it is vLLM's
@@ -36,7 +40,21 @@ def plain_output(out) -> dict:
     """A vLLM ``RequestOutput`` as the plain dict a ``Run`` is assembled from (both engine kinds)."""
     gen = out.outputs[0]
     return {"request_id": str(out.request_id), "prompt_token_ids": list(out.prompt_token_ids),
-            "token_ids": list(gen.token_ids), "text": gen.text}
+            "token_ids": list(gen.token_ids), "text": gen.text, "finished": bool(out.finished)}
+
+
+def _no_raw_prompt_warning() -> None:
+    """``LLMEngine.add_request`` with a str prompt (what ``LLM.generate`` takes) warns on newer vLLM
+    that raw prompts are deprecated; the stream passes what generate passes: keep it off the page."""
+    import logging
+
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "Passing raw prompts" not in record.getMessage()
+
+    log = logging.getLogger("vllm.v1.engine.input_processor")
+    if not any(isinstance(f, _Drop) or type(f).__name__ == "_Drop" for f in log.filters):
+        log.addFilter(_Drop())
 
 
 PROMPT_TAG = "nnvllm_prompt"  # SamplingParams.extra_args key: the request's prompt index (per-prompt edits)
@@ -60,15 +78,63 @@ class InProcessEngine:
 
     def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
         """Arm the worker, generate, collect: (plain outputs, the worker's hand-off)."""
+        t0 = time.perf_counter()
         self.llm.collective_rpc("nnvllm_arm", args=(spec,))
+        t1 = time.perf_counter()
         try:
             with interruptible(self.llm):
                 outputs = [plain_output(o) for o in self.llm.generate(prompts, sampling_params(params), use_tqdm=False)]
         except BaseException:
             self.llm.collective_rpc("nnvllm_disarm")
             raise
+        t2 = time.perf_counter()
         tokens = {o["request_id"]: o["token_ids"] for o in outputs}
-        return outputs, self.llm.collective_rpc("nnvllm_collect", args=(tokens, os.getpid()))[0]
+        handoff = self.llm.collective_rpc("nnvllm_collect", args=(tokens, os.getpid()))[0]
+        _CLIENT_TIMINGS.update(arm=t1 - t0, generate=t2 - t1, collect=time.perf_counter() - t2)
+        return outputs, handoff
+
+    def stream(self, prompts: list[str], params, spec: dict, stop: threading.Event):
+        """:meth:`capture`, step by step: yields ``("step", outputs so far, peek)`` after each engine
+        step (``peek``: the worker's new rows, ``CaptureWorker.nnvllm_peek``), then ``("done",
+        outputs, hand-off)``. ``stop`` set: the requests are aborted (once each has begun) and the
+        call ends with what was produced. Closing the generator early aborts and disarms."""
+        import uuid
+
+        _no_raw_prompt_warning()
+        eng = self.llm.llm_engine
+        sps = sampling_params(params)
+        sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+        ids = [f"nvstream{uuid.uuid4().hex}" for _ in prompts]  # external ids (no "-": see _assemble)
+        latest: dict[str, dict] = {}
+        finished: set[str] = set()
+        self.llm.collective_rpc("nnvllm_arm", args=(spec,))
+        armed = True
+        try:
+            for rid, prompt, sp in zip(ids, prompts, sps):
+                eng.add_request(rid, prompt, sp)
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    latest[o.request_id] = plain_output(o)
+                    if o.finished:
+                        finished.add(o.request_id)
+                peek = self.llm.collective_rpc("nnvllm_peek")[0]
+                yield "step", [latest.get(r) for r in ids], peek
+                if stop.is_set() and len(latest) == len(ids):
+                    eng.abort_request([r for r in ids if r not in finished])
+                    break
+            outputs = [latest[r] for r in ids]
+            tokens = {o["request_id"]: o["token_ids"] for o in outputs}
+            armed = False
+            handoff = self.llm.collective_rpc("nnvllm_collect", args=(tokens, os.getpid()))[0]
+            yield "done", outputs, handoff
+        finally:
+            if armed:  # an error, or the consumer stopped iterating: leave the engine clean
+                with contextlib.suppress(Exception):
+                    eng.abort_request([r for r in ids if r not in finished])
+                    while eng.has_unfinished_requests():
+                        eng.step()
+                with contextlib.suppress(Exception):
+                    self.llm.collective_rpc("nnvllm_disarm")
 
     def unembed(self, final_norm: str, unembed: str) -> list[dict]:
         """Each TP rank's final norm and unembedding slice (see ``CaptureWorker.nnvllm_unembed``)."""
@@ -209,6 +275,28 @@ def generate(
         >>> run.text[0], run.resid[0].shape                                        # doctest: +SKIP
         (' Paris.', torch.Size([6, 6, 64]))
     """
+    t0 = time.perf_counter()
+    _CLIENT_TIMINGS.clear()
+    req = _request(model, prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                   layers=layers, logits=logits, top_k=top_k, sites=sites, ignore_eos=ignore_eos, edits=edits)
+    t1 = time.perf_counter()
+    outputs, handoff = req.engine.capture(req.prompts, req.params, req.spec)
+    t2 = time.perf_counter()
+    run = _assemble(model, req, outputs, handoff)
+    _LAST_TIMINGS.update({f"client_{k}": v for k, v in _CLIENT_TIMINGS.items()})
+    _LAST_TIMINGS.update(client_request=t1 - t0, client_capture=t2 - t1, client_assemble=time.perf_counter() - t2)
+    return run
+
+
+class _Request:
+    """One validated call (generate or stream): what the engine gets and what assembling its Run needs."""
+
+    def __init__(self, **kw) -> None:
+        self.__dict__.update(kw)
+
+
+def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, logits, top_k, sites, ignore_eos,
+             edits, stream: bool = False) -> _Request:
     # Every argument is checked here, on the client: a bad value must never reach (and wedge) the engine.
     if getattr(model, "arch", None) is None or not hasattr(model, "n_layers"):
         raise TypeError(f"model={_validate._show(model)}: expected a model from nv.load(...)")
@@ -235,9 +323,17 @@ def generate(
         params = [dict(params, extra_args={PROMPT_TAG: i}) for i in range(len(prompts))]
     spec = {"family": arch.family, "layers": list(layer_ids), "sites": list(wanted), "logits": bool(logits),
             "sample": {"temperature": float(temperature), "top_p": float(top_p), "k": int(top_k)},
-            "client_pid": os.getpid(), "edits": _edits.to_spec(edit_list), **_size_hint(model, prompts, max_tokens)}
-    outputs, handoff = engine.capture(prompts, params, spec)
-    info = engine.info()
+            "client_pid": os.getpid(), "edits": _edits.to_spec(edit_list), "stream": bool(stream),
+            **_size_hint(model, prompts, max_tokens)}
+    sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, top_k=top_k,
+                    ignore_eos=ignore_eos)
+    return _Request(engine=engine, prompts=prompts, params=params, spec=spec, layer_ids=layer_ids, wanted=wanted,
+                    logits=logits, edit_list=edit_list, sampling=sampling)
+
+
+def _assemble(model, req: _Request, outputs: list[dict], handoff: dict | None) -> Run:
+    """The Run of a finished (or stopped) call from the engine's outputs and the worker's hand-off."""
+    info = req.engine.info()
     if handoff is None:
         raise RuntimeError("the engine returned no capture; was it restarted during the call?")
     if handoff.get("error"):
@@ -253,14 +349,12 @@ def generate(
     external = {o["request_id"] for o in outputs}
     by_external = {(rid if rid in external else rid.rsplit("-", 1)[0]): rec
                    for rid, rec in handoff["requests"].items()}
-
-    run = Run(prompts=prompts, prompt_ids=[], tokens=[], text=[], logits=[] if logits else None,
+    layer_ids, wanted, logits = req.layer_ids, req.wanted, req.logits
+    run = Run(prompts=req.prompts, prompt_ids=[], tokens=[], text=[], logits=[] if logits else None,
               samples=[], resid=[] if layer_ids else None, layers=layer_ids,
-              sites={s: [] for s in wanted if s != "resid"},
-              sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                            top_k=top_k, ignore_eos=ignore_eos),
+              sites={s: [] for s in wanted if s != "resid"}, sampling=dict(req.sampling),
               meta=dict(engine="vllm", model=model.checkpoint, dtype=info["dtype"], tp=info["tp"],
-                        **({"edits": [e.describe() for e in edit_list]} if edit_list else {})))
+                        **({"edits": [e.describe() for e in req.edit_list]} if req.edit_list else {})))
     run.tokenizer = getattr(model, "tokenizer", None)  # for labels (Run.plot); not saved with the run
     for out in outputs:
         rid = out["request_id"]

@@ -48,7 +48,8 @@ class Edit:
         vector: ``[width]`` for ``add`` and a vector ``set``, else None.
         value: the float of a scalar ``set``, else None.
         factor: ``add``'s scale or ``scale``'s factor (1.0 for ``set``).
-        positions: ``"all"``, ``"prompt"`` or ``"generated"``.
+        positions: ``"all"``, ``"prompt"``, ``"generated"``, or a tuple of token positions (0: the
+            first prompt token; a generated token's position is the prompt length plus its index).
         values: ``[len(layers), pos, width]`` for ``patch``: another run's values, position by position.
         prompts: indices of the prompts of the call it applies to, or None for every prompt.
     """
@@ -59,7 +60,7 @@ class Edit:
     vector: Tensor | None = None
     value: float | None = None
     factor: float = 1.0
-    positions: str = "all"
+    positions: str | tuple[int, ...] = "all"
     values: Tensor | None = None  # [layer, pos, width] for "patch": the source run's values
     prompts: tuple[int, ...] | None = None  # the prompts of the call it applies to (None: all)
 
@@ -116,8 +117,16 @@ class Edit:
 
         if site not in SITES:
             raise ValueError(f"site={site!r}; expected one of {list(SITES)}")
-        if positions not in _POSITIONS:
-            raise ValueError(f"positions={positions!r}; expected one of {list(_POSITIONS)}")
+        if isinstance(positions, int) and not isinstance(positions, bool):
+            positions = (positions,)
+        if isinstance(positions, (list, tuple, range)):
+            if not positions or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in positions):
+                raise ValueError(f"positions={positions!r}; expected 'all', 'prompt', 'generated' or token "
+                                 "positions (ints from 0: the first prompt token is 0)")
+            positions = tuple(sorted(set(positions)))
+        elif positions not in _POSITIONS:
+            raise ValueError(f"positions={positions!r}; expected one of {list(_POSITIONS)} or a list of "
+                             "token positions (ints from 0)")
         if isinstance(layers, bool) or not isinstance(layers, (int, list, tuple, range)):
             raise TypeError(f"layers={layers!r}; expected a block index or a list of them")
         layers = (layers,) if isinstance(layers, int) else tuple(layers)
@@ -145,7 +154,8 @@ class Edit:
 
     def describe(self) -> dict[str, Any]:
         """What a Run records of this edit (JSON; a vector as its width and norm)."""
-        d: dict[str, Any] = {"op": self.op, "site": self.site, "layers": list(self.layers), "positions": self.positions}
+        d: dict[str, Any] = {"op": self.op, "site": self.site, "layers": list(self.layers),
+                             "positions": self.positions if isinstance(self.positions, str) else list(self.positions)}
         if self.prompts is not None:
             d["prompts"] = list(self.prompts)
         if self.op in ("add", "scale"):
@@ -212,7 +222,8 @@ def site_widths(model) -> dict[str, int]:
 
 def to_spec(edits: list[Edit]) -> list[dict]:
     """The plain form the engine's worker arms (lists, no tensors: RPCs serialize it)."""
-    return [{"op": e.op, "site": e.site, "layers": list(e.layers), "positions": e.positions, "scale": e.factor,
+    return [{"op": e.op, "site": e.site, "layers": list(e.layers), "scale": e.factor,
+             "positions": e.positions if isinstance(e.positions, str) else list(e.positions),
              "prompts": None if e.prompts is None else list(e.prompts),
              "value": e.value, "vector": None if e.vector is None else e.vector.tolist(),
              "values": None if e.values is None else e.values.tolist()} for e in edits]
@@ -229,7 +240,10 @@ def hf_hooks(model, arch, edits: list[Edit], plen: int, prompt: int = 0) -> list
 
     def edited(e: Edit, x: Tensor, part: int = 0, parts: int = 1, e_layer: int = 0) -> Tensor:
         pos = torch.arange(x.shape[-2], device=x.device)
-        m = None if e.positions == "all" else (pos < plen if e.positions == "prompt" else pos >= plen)
+        if isinstance(e.positions, tuple):
+            m = torch.isin(pos, torch.tensor(e.positions, device=x.device))
+        else:
+            m = None if e.positions == "all" else (pos < plen if e.positions == "prompt" else pos >= plen)
         vec = e.vector
         if vec is not None and parts > 1:  # a merged site split in transformers: this part's slice
             vec = vec.chunk(parts)[part]

@@ -540,7 +540,7 @@ def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engi
     quiet = cls is CPUModel and tp == 1 and mode == "sync" and not os.environ.get("NNVLLM_VERBOSE")
     with real_stdout(), _c_stderr_to_log(quiet) as log:
         m = cls(path, dispatch=True, mode=mode, **engine_args)
-    m.arch = arch
+    m.arch = arch.in_engine(m._module)  # vLLM's tree (its Transformers backend moves the blocks)
     m.checkpoint = path
     m.start_log = log.text if quiet else None
     return m

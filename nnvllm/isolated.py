@@ -340,10 +340,14 @@ class RemoteEngine:
     def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
         import torch
 
+        from .capture import _CLIENT_TIMINGS
+
+        t0 = time.perf_counter()
         buf = io.BytesIO()
         torch.save({"prompts": prompts, "params": params, "spec": spec}, buf)
         r = self.conn.request("POST", "/v1/nnvllm/generate", content=buf.getvalue(),
                               headers={"Content-Type": "application/octet-stream"})
+        _CLIENT_TIMINGS.update(http=time.perf_counter() - t0)
         # Plain data only (ids, text, file names of the shared-memory hand-off): never unpickle.
         res = torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=True)
         if res.get("error"):
@@ -351,6 +355,55 @@ class RemoteEngine:
             exc = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
             raise exc(f"the engine refused the request: {kind}: {msg}") from None
         return res["outputs"], res["handoff"]
+
+    def stream(self, prompts: list[str], params, spec: dict, stop: threading.Event):
+        """:meth:`nnvllm.capture.InProcessEngine.stream` over HTTP: the server streams frames
+        (``/v1/nnvllm/stream``); ``stop`` set sends ``/v1/nnvllm/stream/stop`` once."""
+        import struct
+        import uuid
+
+        import httpx
+        import torch
+
+        sid = uuid.uuid4().hex
+        buf = io.BytesIO()
+        torch.save({"prompts": prompts, "params": params, "spec": spec, "stream_id": sid}, buf)
+        conn, model = self.conn, self.model
+        asked = False
+        try:
+            with conn.client.stream("POST", "/v1/nnvllm/stream", content=buf.getvalue(),
+                                    headers={"Content-Type": "application/octet-stream"}) as r:
+                if r.status_code != 200:
+                    r.read()
+                    conn.request("GET", "/v1/nnvllm/info")  # a dead engine or a bad token raises its clear error
+                    raise ConnectionError(f"the engine at {conn.url} answered the stream with {r.status_code}")
+                pending = b""
+                for chunk in r.iter_bytes():
+                    pending += chunk
+                    while len(pending) >= 8:
+                        n = struct.unpack("<Q", pending[:8])[0]
+                        if len(pending) < 8 + n:
+                            break
+                        # Plain data and tensors only: never unpickle.
+                        msg = torch.load(io.BytesIO(pending[8: 8 + n]), map_location="cpu", weights_only=True)
+                        pending = pending[8 + n:]
+                        if msg.get("error"):
+                            kind, text = msg["error"]
+                            if text == ENGINE_DIED:
+                                model._engine_died("its engine core stopped during a stream")
+                            raise RuntimeError(f"the engine failed during the stream: {kind}: {text}")
+                        if "handoff" in msg:
+                            yield "done", msg["outputs"], msg["handoff"]
+                            return
+                        yield "step", msg["outputs"], msg["peek"]
+                        if stop.is_set() and not asked:
+                            asked = True
+                            conn.request("POST", "/v1/nnvllm/stream/stop", json={"stream_id": sid})
+        except httpx.TransportError as e:
+            if not model._engine_alive():
+                model._engine_died(f"its server stopped answering during a stream ({type(e).__name__})")
+            raise ConnectionError(f"the stream from {conn.url} broke off: {type(e).__name__}: {e}") from None
+        raise ConnectionError(f"the stream from {conn.url} ended without its result")
 
     def unembed(self, final_norm: str, unembed: str) -> list[dict]:
         import torch
@@ -675,7 +728,7 @@ def attach(cls_for, url: str, token: str | None, checkpoint: str | None):
 
 
 def _init(model, checkpoint: str, arch) -> None:
-    model.arch = arch
+    model.arch = arch.in_engine(model._module)  # vLLM's tree (its Transformers backend moves the blocks)
     model.checkpoint = checkpoint
     model._conn = None
     model._server = None

@@ -50,11 +50,41 @@ def load_reference(path: str, dtype: str = "float32", device: str = "cpu"):
     from transformers import AutoConfig
 
     kw = {}
-    if getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None):
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "attn_logit_softcapping", None):
         kw["attn_implementation"] = "eager"  # SDPA has no attention soft-cap (Gemma 2): the exact path
+    plain_transformers_classes(config)
     with no_transformers_bars():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **kw).to(device).eval()
     return model, AutoTokenizer.from_pretrained(path)
+
+
+def plain_transformers_classes(config) -> bool:
+    """Make transformers' classes for ``config`` its own again if vLLM changed them in this process.
+
+    vLLM's Transformers backend (how it runs GPT-NeoX on vLLM 0.32 and OLMo 2) decorates transformers'
+    model classes in place for torch.compile (``support_torch_compile`` adds a base class and a new
+    ``__init__`` that needs vLLM's config), so building the reference after an in-process engine
+    failed ("Current vLLM config is not set"). Re-importing the modeling module gives fresh, plain
+    classes for the reference; the engine's modules keep the decorated ones. Returns whether it did.
+    """
+    import importlib
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except Exception:  # noqa: BLE001  (an unknown config: from_pretrained says so itself)
+        return False
+    module = sys.modules.get(cls.__module__)
+    if module is None:
+        return False
+    touched = any(isinstance(c, type) and any(b.__name__ == "TorchCompileWithNoGuardsWrapper" for b in c.__mro__)
+                  for c in vars(module).values())
+    if touched:
+        importlib.reload(module)
+    return touched
 
 
 @contextlib.contextmanager

@@ -242,6 +242,97 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                 return _torch_payload({"error": (type(e).__name__, str(e))})
         return _torch_payload({"outputs": outputs, "handoff": handoff, "error": None})
 
+    streams: dict[str, asyncio.Event] = {}  # stream id -> its stop flag (/v1/nnvllm/stream/stop)
+
+    async def stream(request: Request):
+        """``nv.stream``: the capture of ``/v1/nnvllm/generate``, step by step, as a streamed body of
+        frames (8-byte little-endian length, then a ``torch.save`` of plain data and small tensors):
+        ``{"outputs": [...], "peek": {...}}`` after each batch of engine outputs, then ``{"outputs",
+        "handoff"}``, or ``{"error"}``. A client that disconnects aborts the generation."""
+        import struct
+
+        import torch
+        from fastapi.responses import StreamingResponse
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from .capture import plain_output
+
+        engine = serve._ready().vllm_entrypoint
+        req = torch.load(io.BytesIO(await request.body()), weights_only=True)
+        try:
+            given = req["params"]
+            per = given if isinstance(given, list) else [given] * len(req["prompts"])
+            params = [SamplingParams(**p, output_kind=RequestOutputKind.CUMULATIVE) for p in per]
+        except (TypeError, ValueError) as e:
+            return _torch_payload({"error": (type(e).__name__, str(e))})
+        sid = str(req["stream_id"])
+        stop = streams[sid] = asyncio.Event()
+        ids = [uuid.uuid4().hex for _ in req["prompts"]]
+
+        def frame(obj) -> bytes:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            return struct.pack("<Q", buf.tell()) + buf.getvalue()
+
+        async def frames():
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def one(prompt, sp, request_id):
+                try:
+                    async for out in engine.generate(prompt, sp, request_id):
+                        await queue.put(plain_output(out))
+                finally:
+                    await queue.put(request_id)  # this request is over (finished or aborted)
+
+            async with capture_lock:
+                tasks: list = []
+                armed = False
+                latest: dict[str, dict] = {}
+                try:
+                    await _rpc(engine, "nnvllm_arm", (req["spec"],))
+                    armed = True
+                    tasks = [asyncio.ensure_future(one(p, sp, i)) for p, sp, i in zip(req["prompts"], params, ids)]
+                    running, aborted = len(tasks), False
+                    while running:
+                        items = [await queue.get()]
+                        while not queue.empty():
+                            items.append(queue.get_nowait())
+                        for it in items:
+                            if isinstance(it, str):
+                                running -= 1
+                            else:
+                                latest[it["request_id"]] = it
+                        peek = (await _rpc(engine, "nnvllm_peek"))[0]
+                        yield frame({"outputs": [latest.get(i) for i in ids], "peek": peek})
+                        if stop.is_set() and not aborted and len(latest) == len(ids):
+                            aborted = True
+                            await engine.abort([i for i in ids if not latest[i]["finished"]])
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    outputs = [latest[i] for i in ids]
+                    tokens = {o["request_id"]: o["token_ids"] for o in outputs}
+                    armed = False
+                    handoff = (await _rpc(engine, "nnvllm_collect", (tokens, None)))[0]
+                    yield frame({"outputs": outputs, "handoff": handoff})
+                except Exception as e:  # noqa: BLE001
+                    yield frame({"error": (type(e).__name__, ENGINE_DIED if _dead(engine) else str(e))})
+                finally:  # also when the client went away (the generator is closed)
+                    streams.pop(sid, None)
+                    for t in tasks:
+                        t.cancel()
+                    if armed and not _dead(engine):
+                        with contextlib.suppress(Exception):
+                            await engine.abort(ids)
+                            await _rpc(engine, "nnvllm_disarm")
+
+        return StreamingResponse(frames(), media_type="application/octet-stream")
+
+    async def stream_stop(request: Request):
+        flag = streams.get(str((await request.json()).get("stream_id")))
+        if flag is not None:
+            flag.set()
+        return {"status": "ok", "stopping": flag is not None}
+
     async def unembed(request: Request):
         body = await request.json()
         engine = serve._ready().vllm_entrypoint
@@ -304,6 +395,8 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         ("/health", health, ["GET"]),
         ("/v1/nnsight/generate", trace, ["POST"]),
         ("/v1/nnvllm/generate", capture, ["POST"]),
+        ("/v1/nnvllm/stream", stream, ["POST"]),
+        ("/v1/nnvllm/stream/stop", stream_stop, ["POST"]),
         ("/v1/nnvllm/unembed", unembed, ["POST"]),
         ("/v1/nnvllm/info", info, ["GET"]),
         ("/v1/nnvllm/files", files, ["GET"]),

@@ -296,8 +296,8 @@ def collect(
         model: from :func:`nnvllm.load`.
         prompts: the prompts, one request each (dataset index = position in this list).
         out: the dataset directory (created; must be empty or hold this same dataset).
-        max_tokens, layers, sites, temperature, top_p, seed, top_k, ignore_eos: as for
-            :func:`nnvllm.generate`.
+        max_tokens: tokens per prompt, as for :func:`nnvllm.generate` (so are ``layers``, ``sites``,
+            ``temperature``, ``top_p``, ``seed``, ``top_k`` and ``ignore_eos``).
         logits: the logits policy above.
         batch_size: prompts per chunk (and shard); None chooses it from ``memory_budget``.
         memory_budget: see above.

@@ -1,4 +1,5 @@
-"""Tiny random checkpoints (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Qwen3-MoE; tokenizer included) for tests that need other shapes.
+"""Tiny random checkpoints (GPT-2, Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3, Qwen3-MoE, GPT-NeoX,
+OLMo 2; tokenizer included) for tests that need other shapes.
 
 Built locally from a config in a second or two; no model hub. They reuse the toy model's tokenizer.
 Head sizes are 32: vLLM's CPU attention refuses some head sizes (24 fails at engine start).
@@ -16,7 +17,7 @@ from pathlib import Path
 
 __all__ = ["tiny_checkpoint", "KINDS", "TF32"]
 
-KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe")
+KINDS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "gpt_neox", "olmo2")
 
 
 def tiny_checkpoint(
@@ -30,7 +31,9 @@ def tiny_checkpoint(
     Phi-3 fuses q/k/v and gate/up into single projections in transformers too; Gemma 2 has sandwich
     norms, a scaled embedding, ``(1 + w)`` RMSNorms, soft-capped attention and final logits, and a tied head;
     Gemma 3 (text) adds per-head q/k norms and local/global attention layers, without soft-caps;
-    Qwen3-MoE has a sparse mixture-of-experts MLP in every block (4 experts, 2 per token).
+    Qwen3-MoE has a sparse mixture-of-experts MLP in every block (4 experts, 2 per token); GPT-NeoX
+    (Pythia's layout) has parallel attention and MLP, LayerNorms, partial rotary and an untied head;
+    OLMo 2 has post-norms around each sublayer and q/k norms.
     """
     import torch
     import transformers
@@ -45,7 +48,19 @@ def tiny_checkpoint(
         return str(out)
     tok = AutoTokenizer.from_pretrained(toy.check())
     torch.manual_seed(seed)
-    if kind == "gpt2":
+    if kind == "gpt_neox":
+        cfg = transformers.GPTNeoXConfig(
+            vocab_size=len(tok), hidden_size=d_model, intermediate_size=2 * d_model, num_hidden_layers=n_layers,
+            num_attention_heads=d_model // 32, max_position_embeddings=128, rotary_pct=0.25,
+            use_parallel_residual=True, tie_word_embeddings=False, bos_token_id=tok.eos_token_id,
+            eos_token_id=tok.eos_token_id, attention_dropout=0.0, hidden_dropout=0.0,
+        )
+        model = transformers.GPTNeoXForCausalLM(cfg)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() > 1:
+                    p.mul_(5.0)
+    elif kind == "gpt2":
         cfg = GPT2Config(
             vocab_size=len(tok), n_positions=128, n_embd=d_model, n_layer=n_layers, n_head=d_model // 32,
             bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
@@ -53,7 +68,7 @@ def tiny_checkpoint(
         model = GPT2LMHeadModel(cfg)
     else:
         names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3",
-                 "gemma2": "Gemma2", "gemma3": "Gemma3", "qwen3_moe": "Qwen3Moe"}[kind]
+                 "gemma2": "Gemma2", "gemma3": "Gemma3", "qwen3_moe": "Qwen3Moe", "olmo2": "Olmo2"}[kind]
         config_cls = getattr(transformers, "Gemma3TextConfig" if kind == "gemma3" else f"{names}Config")
         model_cls = getattr(transformers, f"{names}ForCausalLM")
         extra = {"sliding_window": None} if kind in ("mistral", "qwen2", "qwen3", "phi3", "qwen3_moe") else {}
@@ -71,6 +86,8 @@ def tiny_checkpoint(
             tied = True
         elif kind == "phi3":  # its defaults name a pad id of a 32k vocabulary
             extra.update(pad_token_id=tok.eos_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0)
+        elif kind == "olmo2":  # (head size d_model / heads = 32)
+            extra.update(pad_token_id=tok.eos_token_id)
         elif "head_dim" not in extra:
             extra["head_dim"] = 32
         cfg = config_cls(

@@ -39,6 +39,8 @@ from .results import Run
 __all__ = [
     "CompareView",
     "LensExplorer",
+    "LiveGeneration",
+    "live_lens_html",
     "PatchExplorer",
     "SamplesExplorer",
     "error_html",
@@ -157,6 +159,29 @@ def lens_table_html(lens, layer_index: int, k: int = 5, highlight_pos: int | Non
         )
     out.append("</table>")
     return "\n".join(out)
+
+
+def live_lens_html(layers: list[int], cells: list[list[tuple[str, float]]], generated: list[str]) -> str:
+    """The live lens panel: one row per layer, one column per generated token (``generated``), each
+    cell the lens's top-1 token at the position that produced that token, shaded by its probability.
+
+    ``cells[t][j]`` is ``(token text, probability)`` for step ``t`` and ``layers[j]`` (the top row is the
+    last layer, as in the lens heatmap). NaN probabilities (no value) show an empty cell.
+    """
+    head = "".join(f"<th style='padding:0 4px'>{_tok(g)}</th>" for g in generated)
+    rows = []
+    for j in reversed(range(len(layers))):
+        tds = []
+        for col in cells:
+            text, p = col[j]
+            if p != p:  # NaN
+                tds.append("<td></td>")
+                continue
+            tds.append(f"<td title='{p:.3f}' style='padding:0 4px;background:rgba(31,119,180,{0.15 + 0.7 * p:.2f})'>"
+                       f"{_tok(text)}</td>")
+        rows.append(f"<tr><th style='text-align:right;padding-right:6px'>L{layers[j]}</th>{''.join(tds)}</tr>")
+    return (f"<table class='nnvllm-live-lens' style='border-collapse:collapse;font-size:12px'>"
+            f"<tr><th>layer</th>{head}</tr>{''.join(rows)}</table>")
 
 
 def token_options(tokenizer, text: str) -> list[tuple[str, int]]:
@@ -798,3 +823,95 @@ def _draw_metric(ax, x, y, metric: str, style: str) -> None:
     ax.set_yscale("log")
     ax.set_ylabel(label + " (log)")
     ax.set_xticks(x)
+
+
+class LiveGeneration(_Explorer):
+    """One prompt generating live: the text as tokens arrive, a layers x steps panel of the logit
+    lens's top-1 token at each step (:func:`live_lens_html`), and a Stop button that ends the
+    generation and keeps what was produced (``.run``).
+
+    The generation runs in a background thread (:func:`nnvllm.stream`), so the notebook, and the
+    Stop button, stay responsive; call nothing else on the same engine until it is done
+    (``.wait()``). ``pace`` (seconds) waits between steps, to watch a fast model. State for tests:
+    ``.steps`` (the :class:`~nnvllm.Step` s), ``.text.value``, ``.panel.value``, ``.status.value``,
+    ``.run``, ``.stop_button``.
+
+    Example::
+
+        live = LiveGeneration(model, "The capital of France is", max_tokens=40)   # displays live
+        live.wait(); live.run
+    """
+
+    def __init__(self, model, prompt: str, max_tokens: int = 20, *, layers="all", pace: float = 0.0,
+                 **generate_kwargs: Any) -> None:
+        import threading
+
+        from .streaming import stream
+
+        super().__init__()
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt={prompt!r}: LiveGeneration shows one prompt (a str)")
+        if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not 0 <= pace <= 10:
+            raise ValueError(f"pace={pace!r}; expected seconds between steps, 0 to 10")
+        self.model = model
+        self.pace = float(pace)
+        self.stream = stream(model, [prompt], max_tokens=max_tokens, layers=layers, **generate_kwargs)
+        self.layers = list(self.stream._req.layer_ids)
+        self.steps: list = []
+        self._cells: list[list[tuple[str, float]]] = []
+        self._generated: list[str] = []
+        self.prompt = prompt
+        self.text = W.HTML(value=_tok(prompt))
+        self.text.add_class("nnvllm-live-text")
+        self.panel = W.HTML(value="")
+        self.panel.add_class("nnvllm-live-panel")
+        self.status = W.HTML(value="generating")
+        self.status.add_class("nnvllm-live-status")
+        self.stop_button = W.Button(description="Stop", button_style="danger")
+        self.stop_button.on_click(lambda _: self.stop())
+        self.widget = W.VBox([W.HBox([self.stop_button, self.status]), self.text, self.panel, self.error])
+        self.widget.add_class("nnvllm-live")
+        self._thread = threading.Thread(target=self._drive, name="nnvllm-live", daemon=True)
+        self._thread.start()
+
+    @property
+    def run(self) -> Run | None:
+        """The whole Run once the generation has ended (stopped or not), else None."""
+        return self.stream.run
+
+    def stop(self) -> None:
+        """End the generation at the next step; ``.run`` keeps what was produced."""
+        self.stop_button.disabled = True
+        self.stream.stop()
+
+    def wait(self, timeout: float | None = None) -> Run | None:
+        """Wait until the generation has ended; return its Run."""
+        self._thread.join(timeout)
+        return self.run
+
+    def _drive(self) -> None:
+        import time
+
+        tok = getattr(self.model, "tokenizer", None)
+        decode = (lambda i: tok.decode([i])) if tok is not None else str
+        try:
+            for step in self.stream:
+                self.steps.append(step)
+                self.text.value = _tok(self.prompt) + f"<b>{_tok(step.text[0])}</b>"
+                if step.tokens[0]:
+                    self._generated.append(decode(step.tokens[0][-1]))
+                    if step.lens_ids is not None:
+                        self._cells.append([(decode(int(i)) if i >= 0 else "", float(p))
+                                            for i, p in zip(step.lens_ids[0].tolist(), step.lens_probs[0].tolist())])
+                        self.panel.value = live_lens_html(self.layers, self._cells, self._generated)
+                self.status.value = f"generating: {len(self._generated)} token(s)"
+                if self.pace:
+                    time.sleep(self.pace)
+            n = len(self.run.tokens[0])
+            self.status.value = (f"stopped after {n} token(s)" if self.stream.stopped else f"done: {n} token(s)")
+        except Exception as e:  # noqa: BLE001 - shown in the widget, kept in .last_error
+            self.last_error = e
+            self.error.value = error_html(e)
+            self.status.value = "failed"
+        finally:
+            self.stop_button.disabled = True

@@ -9,7 +9,7 @@
 # Stages (each continues after a failure; the script exits 1 at the end if any stage failed):
 #   engine     python3 -m pytest -q -ra $TESTS --tp 1          (TESTS defaults to tests/)
 #   notebooks  python3 -m pytest -q -ra --nbmake notebooks/    (needs nbmake + ipykernel + ipywidgets)
-#   tp_vllm    python3 -m pytest -q -ra tests/test_vllm.py tests/test_edits.py --tp N  (only with N >= 2)
+#   tp_vllm    python3 -m pytest -q -ra tests/test_vllm.py tests/test_edits.py tests/test_stream.py --tp N  (only with N >= 2)
 #   tp_isolated python3 -m pytest -q -ra tests/test_isolated.py -m tp --tp N  (only with N >= 2)
 # Environment:
 #   OUT              where each stage's log goes (default benchmarks/results/gpu/); also summary.txt and
@@ -140,7 +140,7 @@ for stage in $STAGES; do
       run_stage notebooks "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} --nbmake ${NOTEBOOKS:-notebooks/} ;;
     tp_vllm)
       NNVLLM_FIDELITY_JSON="$OUT_DIR/fidelity_tp_vllm.json" \
-        run_stage tp_vllm "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} tests/test_vllm.py tests/test_edits.py --tp "$TP" ;;
+        run_stage tp_vllm "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} tests/test_vllm.py tests/test_edits.py tests/test_stream.py --tp "$TP" ;;
     tp_isolated)
       run_stage tp_isolated "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} tests/test_isolated.py -m tp --tp "$TP" ;;
     *) echo "test_gpu.sh: unknown stage '$stage' (engine, notebooks, tp_vllm, tp_isolated)" >&2

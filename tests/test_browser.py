@@ -154,3 +154,56 @@ def test_two_engines_in_one_kernel_in_browser(needs_browser, tmp_path):
         text = browser.widget(page, "nnvllm-two-engines").inner_text(timeout=60_000)
         browser.screenshot(page, ARTIFACTS / "two_engines.png")
     assert [x.strip() for x in text.split("|")] == ["Paris.", "Paris.", "Paris.", "2", "0"], text
+
+
+LIVE_CELLS = [
+    """\
+import os
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+import nnvllm as nv
+from nnvllm.widgets import LiveGeneration
+model = nv.load()""",
+    """\
+live = LiveGeneration(model, "The capital of France is", max_tokens=50, ignore_eos=True, pace=0.4)
+live""",
+]
+
+
+@pytest.mark.browser
+def test_live_generation_in_browser(needs_browser, tmp_path):
+    """Issue 12: the LiveGeneration widget in JupyterLab shows tokens and the lens panel growing while
+    the engine generates (in a background thread), and its Stop button, clicked in the page, ends
+    the generation early with what was produced."""
+    import re
+
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in LIVE_CELLS]
+    nbformat.write(nb, tmp_path / "live.ipynb")
+    with browser.jupyterlab(tmp_path) as lab, browser.chromium() as ctx:
+        page = browser.open_notebook(ctx, lab, "live.ipynb")
+        browser.run_all(page, timeout=300)
+        status = browser.widget(page, "nnvllm-live-status")
+        deadline = time.monotonic() + 120
+        seen = []
+        while time.monotonic() < deadline:
+            text = status.inner_text(timeout=30_000).strip()
+            seen.append(text)
+            m = re.match(r"generating: (\d+) token", text)
+            if m and int(m.group(1)) >= 3:
+                break
+            time.sleep(0.2)
+        assert any(re.match(r"generating: [1-9]", t) for t in seen), f"no live progress shown: {seen[-5:]}"
+        rows_live = browser.widget(page, "nnvllm-live-panel").locator("tr").count()
+        browser.click_button(page, "nnvllm-live", "Stop")
+        page.wait_for_function(
+            "sel => { const e = document.querySelector(sel); return e && /stopped after/.test(e.innerText); }",
+            arg=".jp-Notebook .nnvllm-live-status", timeout=60_000, polling=200)
+        final = status.inner_text().strip()
+        cells = browser.widget(page, "nnvllm-live-panel").locator("td").count()
+        browser.screenshot(page, ARTIFACTS / "live_generation.png", css_class="nnvllm-live")
+    n = int(re.match(r"stopped after (\d+) token", final).group(1))
+    assert 3 <= n < 50, final
+    assert rows_live >= 2 and cells >= 3, (rows_live, cells)

@@ -39,6 +39,8 @@ def _edits(d: int, d_mlp: int, n_layers: int):
         "scale resid": nv.Edit.scale(0.25, layers=[0]),
         "scale mlp on the prompt": nv.Edit.scale(0.5, layers=[0, 1], site="mlp", positions="prompt"),
         "zero mlp_act": nv.Edit.set(0.0, layers=[1], site="mlp_act"),
+        "ablate mlp at two token positions (one prompt, one generated)": nv.Edit.set(0.0, layers=[1], site="mlp",
+                                                                                   positions=[1, 6]),
     }
 
 
@@ -115,6 +117,8 @@ def test_bad_edits_are_refused_before_the_engine_runs(model):
         nv.generate(m, PROMPTS[0], max_tokens=1, edits=[nv.Edit.scale(2.0, layers=[m.n_layers])])
     with pytest.raises(TypeError, match="edits must be a list of nv.Edit"):
         nv.generate(m, PROMPTS[0], max_tokens=1, edits=[{"op": "add"}])
+    with pytest.raises(ValueError, match="token positions"):
+        nv.Edit.scale(2.0, layers=0, positions=[-1])
     with pytest.raises(ValueError, match="positions='decode'"):
         nv.Edit.scale(2.0, layers=0, positions="decode")
     with pytest.raises(ValueError, match="site='resdi'"):

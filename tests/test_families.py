@@ -3,7 +3,10 @@
 gate/up fused in transformers too) and Gemma 2 (sandwich norms, scaled embedding, (1 + w) RMSNorm,
 soft-capped attention and final logits, tied head: the lens must apply the engine's soft-cap) and
 Gemma 3 text (q/k norms, local and global attention layers), and one mixture-of-experts family,
-Qwen3-MoE (its "mlp" site is the sparse MoE block's output; no mlp_in/mlp_act).
+Qwen3-MoE (its "mlp" site is the sparse MoE block's output; no mlp_in/mlp_act); GPT-NeoX (Pythia:
+parallel attention and MLP, LayerNorms, partial rotary, untied head) and OLMo 2 (post-norms, q/k norms),
+which vLLM runs through its Transformers backend (its tree puts the blocks at model.layers: the layout
+maps itself there, Arch.in_engine; on vLLM 0.26 GPT-NeoX is native, at transformers' paths).
 
 For each: greedy tokens equal transformers'; every site within 1e-3 at fp32; the lens's last layer
 is the engine's next-token distribution; one patch cell equals the same edit made with transformers
@@ -20,9 +23,9 @@ from conftest import engine_kwargs
 from nnvllm.testing import tiny_checkpoint
 from test_analyses import _hf_patched_diff
 
-FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3_moe", "gpt_neox", "olmo2"]
 FAMILY_OF = {"mistral": "llama", "qwen2": "llama", "qwen3": "llama", "phi3": "phi3", "gemma2": "gemma2",
-             "gemma3": "gemma3", "qwen3_moe": "qwen3_moe"}
+             "gemma3": "gemma3", "qwen3_moe": "qwen3_moe", "gpt_neox": "gpt_neox", "olmo2": "olmo2"}
 MOE = {"qwen3_moe"}
 PROMPTS = ["The capital of France is", "Paris is the capital of"]
 SITES = ("attn", "mlp", "mlp_in", "mlp_act")
@@ -39,7 +42,7 @@ def fam(request, tmp_path_factory, tp):
 def test_family_captures_match_transformers(fam, fidelity):
     kind, path, model = fam
     assert model.arch.family == FAMILY_OF[kind]
-    sites = ("attn", "mlp") if kind in MOE else SITES
+    sites = tuple(s for s in SITES if s in model.arch.sites)  # (MoE: no mlp_in/mlp_act; OLMo 2: no mlp_in)
     run = nv.generate(model, PROMPTS, max_tokens=4, ignore_eos=True, sites=sites)
     hf = fidelity.reference(path, PROMPTS, max_tokens=4, ignore_eos=True, sites=sites)
     assert run.tokens == hf.value.tokens, kind
@@ -63,7 +66,7 @@ def test_family_lens_last_layer_is_the_engines_distribution(fam):
         top = run.logits[0][t].float().softmax(-1).topk(5)
         assert torch.equal(lens.top_ids[-1, P - 1 + t], top.indices), (kind, t)
         assert (lens.top_probs[-1, P - 1 + t] - top.values).abs().max() < 1e-4, (kind, t)
-    assert lens.unembed.norm.kind == "rmsnorm"
+    assert lens.unembed.norm.kind == ("layernorm" if kind == "gpt_neox" else "rmsnorm")
 
 
 @pytest.mark.filterwarnings("ignore:the clean prompt does not prefer")  # random weights know no capitals
@@ -81,5 +84,5 @@ def test_family_blocks_share_no_activation_module(fam):
         pytest.skip("a mixture-of-experts block has no activation module: the experts' activation runs "
                     "inside vLLM's fused MoE kernel")
     blocks = model._module.get_submodule(model.arch.blocks)
-    acts = [b.get_submodule("mlp.act_fn") for b in blocks]
+    acts = [b.get_submodule("mlp.act" if kind == "gpt_neox" else "mlp.act_fn") for b in blocks]
     assert len({id(a) for a in acts}) == len(acts), kind

@@ -412,3 +412,24 @@ def test_edits_on_an_isolated_engine(iso, toy_path, fidelity):
         hf.check(run.resid[i], 1e-3, lambda r, i=i: r.resid[i], f"edited resid[{i}]")
     assert [e["op"] for e in run.meta["edits"]] == ["add", "set", "scale"]
     assert nv.steering_vector(iso, [CORRUPT], [CLEAN], layer=3).shape == (d,)
+
+
+def test_stream_on_an_isolated_engine(iso):
+    """nv.stream over HTTP (a streamed response of frames): the steps agree with the final Run, which
+    equals nv.generate's; Stop keeps what was produced; leaving early leaves the engine clean."""
+    from test_stream import check_steps_match_run
+
+    s = nv.stream(iso, [CLEAN, CORRUPT], max_tokens=5, ignore_eos=True)
+    steps = list(s)
+    check_steps_match_run(iso, steps, s.run)
+    ref = nv.generate(iso, [CLEAN, CORRUPT], max_tokens=5, ignore_eos=True)
+    assert s.run.tokens == ref.tokens and torch.equal(s.run.resid[1], ref.resid[1])
+    s = nv.stream(iso, [CLEAN, CORRUPT], max_tokens=40, ignore_eos=True)
+    for step in s:
+        if step.index == 1:
+            s.stop()
+    assert s.stopped and all(len(t) < 40 for t in s.run.tokens)
+    check_steps_match_run(iso, s.steps, s.run)
+    for step in nv.stream(iso, CLEAN, max_tokens=40, ignore_eos=True, edits=[nv.Edit.scale(0.5, layers=0)]):
+        break  # the server sees the client go, aborts and disarms
+    assert nv.generate(iso, [CLEAN, CORRUPT], max_tokens=5, ignore_eos=True).tokens == ref.tokens

@@ -534,8 +534,9 @@ def test_gpu_engines_are_sized_to_free_memory():
 
 
 def test_a_fixed_gpu_share_for_engines_from_the_environment(monkeypatch):
-    from nnvllm.engine import GPU_SHARE_ENV, fit_gpu_memory
+    from nnvllm.engine import GPU_SHARE_ENV, KV_CACHE_ENV, fit_gpu_memory
 
+    monkeypatch.delenv(KV_CACHE_ENV, raising=False)  # (the GPU lane sets it for its engines)
     monkeypatch.setenv(GPU_SHARE_ENV, "0.3")
     assert fit_gpu_memory({"dtype": "float16"}) == {"dtype": "float16", "gpu_memory_utilization": 0.3}
     assert fit_gpu_memory({"gpu_memory_utilization": 0.5}) == {"gpu_memory_utilization": 0.5}  # the caller's

@@ -16,6 +16,8 @@ import nnvllm as nv
 from nnvllm.lens import Lens, Norm, Unembed
 from nnvllm.patching import PatchResult, normalized_effect
 from nnvllm.widgets import (
+    LiveGeneration,
+    live_lens_html,
     CompareView,
     LensExplorer,
     PatchExplorer,
@@ -294,3 +296,40 @@ def test_explorer_carries_a_static_copy_for_html_exports(toy):
     data = data[0] if isinstance(data, tuple) else data
     assert "application/vnd.jupyter.widget-view+json" in data
     assert "data:image/png;base64," in data["text/html"] and ex.png
+
+
+def test_live_lens_html():
+    cells = [[("a", 0.5), ("<b>", 1.0)], [("c", float("nan")), ("d", 0.25)]]
+    out = live_lens_html([0, 5], cells, [" x", "y"])
+    assert out.count("<tr>") == 3 and "&lt;b&gt;" in out  # token text is escaped
+    assert out.index("L5") < out.index("L0")  # the last layer on top
+    assert out.count("<td></td>") == 1 and "title='0.250'" in out
+
+
+def test_live_generation_streams_and_stops(toy):
+    """LiveGeneration: tokens and the lens panel grow while the engine generates; Stop ends it and
+    the Run keeps what was produced (equal to what the widget showed)."""
+    import time
+
+    live = LiveGeneration(toy, "The capital of France is", max_tokens=40, ignore_eos=True, pace=0.05)
+    deadline = time.monotonic() + 60
+    while len(live.steps) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    live.stop_button.click()
+    run = live.wait(60)
+    assert live.last_error is None, live.last_error
+    n = len(run.tokens[0])
+    assert 3 <= n < 40 and live.status.value == f"stopped after {n} token(s)"
+    assert live.stop_button.disabled
+    assert sum((s.tokens[0] for s in live.steps), []) == run.tokens[0]
+    assert live.panel.value.count("<tr>") == toy.n_layers + 1
+    assert live.panel.value.count("<td") == toy.n_layers * n
+    import html
+    import re
+
+    assert html.unescape(re.sub(r"<[^>]+>", "", live.text.value)) == "The capital of France is" + run.text[0]
+    done = LiveGeneration(toy, "The capital of France is", max_tokens=3, ignore_eos=True, layers=[0, -1])
+    assert done.wait(60).tokens == nv.generate(toy, "The capital of France is", max_tokens=3, ignore_eos=True).tokens
+    assert done.status.value == "done: 3 token(s)" and done.panel.value.count("<tr>") == 3
+    with pytest.raises(ValueError, match="pace"):
+        LiveGeneration(toy, "x", pace=-1)
