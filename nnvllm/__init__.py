@@ -5,14 +5,15 @@ The public verbs, one hop from here:
 - :func:`load` (``engine.py``) — a vLLM engine through nnsight, on GPU or CPU, in-process or isolated
   in its own process (``isolated.py``, ``server.py``); :func:`engines` lists the live ones.
 - :func:`generate` (``capture.py``) — one generation: logits, samples, every layer's activations.
-- :class:`Edit`, :func:`steering_vector` (``edits.py``) — change the model while it generates
-  (``generate(..., edits=[...])``: steering, ablation, scaling), the same in :func:`reference`.
+- :class:`Edit` (``edits.py``) — change the model while it generates (``generate(..., edits=[...])``:
+  steering, ablation, scaling, patching), the same in :func:`reference`; :func:`steering_vector`
+  (``analyses.py``) builds a direction from contrastive prompts.
 - :func:`stream` (``streaming.py``) — the same, step by step while the engine generates (:class:`Stream`
   of :class:`Step` s: new tokens, their probabilities, the lens top-1 per layer); ``LiveGeneration``
   (``widgets.py``) shows it live with a Stop button.
 - :func:`collect` (``store.py``) — many prompts, chunked to disk under a memory budget, read lazily.
 - :func:`reference` (``reference.py``) — the same capture on plain transformers (ground truth).
-- :func:`logit_lens`, :func:`patch` (``analyses.py``; math in ``lens.py``, ``patching.py``).
+- :func:`logit_lens`, :func:`patch`, :func:`steering_vector` (``analyses.py``; math in ``lens.py``, ``patching.py``).
 - :func:`compare` (``compare.py``) — discrepancies between two runs (vLLM vs HF, TP1 vs TP2).
 - :class:`Run`, :class:`Samples` (``results.py``) — what those return; :class:`Lens` (``lens.py``),
   :class:`PatchResult` (``patching.py``), :class:`Discrepancy` (``compare.py``), :class:`Dataset`
@@ -26,11 +27,11 @@ Importing nnvllm imports neither vLLM nor nnsight and changes no global state.
 """
 
 from . import sampling, toy
-from .analyses import logit_lens, patch
+from .analyses import logit_lens, patch, steering_vector
 from .arch import ARCHS, Arch, register_arch
 from .capture import generate
 from .compare import Discrepancy, compare
-from .edits import Edit, steering_vector
+from .edits import Edit
 from .engine import EngineInfo, engines, load
 from .isolated import EngineDied
 from .lens import Lens

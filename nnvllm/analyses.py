@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import warnings
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from . import _validate
@@ -18,7 +19,7 @@ from .capture import generate
 from .lens import Lens, Norm, Unembed
 from .patching import PatchResult, logit_diff, normalized_effect, plan
 
-__all__ = ["unembedding", "logit_lens", "patch"]
+__all__ = ["unembedding", "logit_lens", "patch", "steering_vector"]
 
 
 def unembedding(model) -> Unembed:
@@ -248,3 +249,19 @@ def patch(
         wrong=tok.decode([w_id]),
         step=step,
     )
+
+
+def steering_vector(model, positive: Sequence[str], negative: Sequence[str], layer: int) -> Tensor:
+    """The mean difference of the residual stream after block ``layer`` at each prompt's last token,
+    ``mean(positive) - mean(negative)`` (contrastive prompts): a direction for :meth:`Edit.add`.
+
+    Example:
+        >>> v = nv.steering_vector(model, ["The capital of Italy is"], ["The capital of France is"], layer=3)  # doctest: +SKIP
+        >>> run = nv.generate(model, "The capital of France is", edits=[nv.Edit.add(v, layers=3, scale=2)])  # doctest: +SKIP
+    """
+    for name, ps in (("positive", positive), ("negative", negative)):
+        if isinstance(ps, str) or not ps:
+            raise ValueError(f"{name} must be a non-empty list of prompts")
+    run = generate(model, list(positive) + list(negative), max_tokens=1, layers=[layer], logits=False)
+    last = torch.stack([r[0, len(p) - 1].float() for r, p in zip(run.resid, run.prompt_ids)])
+    return last[: len(positive)].mean(0) - last[len(positive):].mean(0)

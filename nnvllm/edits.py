@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["Edit", "steering_vector"]
+__all__ = ["Edit"]
 
 _OPS = ("add", "set", "scale", "patch")
 _POSITIONS = ("all", "prompt", "generated")
@@ -283,21 +283,3 @@ def hf_hooks(model, arch, edits: list[Edit], plen: int, prompt: int = 0) -> list
                         return edited(e, out, k, len(parts), li)
                     handles.append(mod.register_forward_hook(post))
     return handles
-
-
-def steering_vector(model, positive: Sequence[str], negative: Sequence[str], layer: int) -> Tensor:
-    """The mean difference of the residual stream after block ``layer`` at each prompt's last token,
-    ``mean(positive) - mean(negative)`` (contrastive prompts): a direction for :meth:`Edit.add`.
-
-    Example:
-        >>> v = nv.steering_vector(model, ["The capital of Italy is"], ["The capital of France is"], layer=3)  # doctest: +SKIP
-        >>> run = nv.generate(model, "The capital of France is", edits=[nv.Edit.add(v, layers=3, scale=2)])  # doctest: +SKIP
-    """
-    from .capture import generate
-
-    for name, ps in (("positive", positive), ("negative", negative)):
-        if isinstance(ps, str) or not ps:
-            raise ValueError(f"{name} must be a non-empty list of prompts")
-    run = generate(model, list(positive) + list(negative), max_tokens=1, layers=[layer], logits=False)
-    last = torch.stack([r[0, len(p) - 1].float() for r, p in zip(run.resid, run.prompt_ids)])
-    return last[: len(positive)].mean(0) - last[len(positive):].mean(0)

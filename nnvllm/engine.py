@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _compat, _validate
+from ._procs import check_sleep, real_stdout, tree_rss
 from .arch import Arch, arch_for, untie_shared_modules
 
 __all__ = ["load", "engines", "EngineInfo", "cpu_defaults", "has_cuda"]
@@ -356,7 +357,7 @@ def _build_model_classes():
             if platform_ok and llm is None:
                 raise RuntimeError("this model was closed; load it again with nv.load(...)")
             enabled = platform_ok and bool(getattr(llm.llm_engine.model_config, "enable_sleep_mode", False))
-            _check_sleep(platform_ok, enabled)
+            check_sleep(platform_ok, enabled)
             return llm
 
         def __enter__(self):
@@ -401,51 +402,6 @@ def _build_model_classes():
         pass
 
     return GPUModel, CPUModel
-
-
-@contextlib.contextmanager
-def real_stdout():
-    """Give vLLM a stdout with a file descriptor while it starts.
-
-    vLLM (0.26, GPU) silences C-level output while it creates its process groups by duplicating
-    ``sys.stdout.fileno()``; under Jupyter's ``%%capture`` (or any stream without a descriptor)
-    that raises ``UnsupportedOperation: fileno`` and ``nv.load`` failed. For the start only, such a
-    stream is swapped for the process's real stdout (what vLLM prints then goes to the kernel's log).
-    """
-    try:
-        sys.stdout.fileno()
-        ok = True
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
-        ok = False
-    if ok or sys.__stdout__ is None:
-        yield
-        return
-    kept, sys.stdout = sys.stdout, sys.__stdout__
-    try:
-        yield
-    finally:
-        sys.stdout = kept
-
-
-@contextlib.contextmanager
-def quiet_generate(model):
-    """Within the block, an in-process engine's ``vllm.LLM.generate`` shows no progress bars.
-
-    nnsight's trace calls ``generate`` without ``use_tqdm``, so each patched pass of :func:`nnvllm.patch`
-    printed vLLM's "Rendering prompts / Processed prompts" bars under nnvllm's own bar (issue 14,
-    item 9). An isolated engine generates in its own process (its bars go to its log).
-    """
-    llm = getattr(model, "vllm_entrypoint", None)
-    if llm is None or getattr(model, "_nnvllm_isolated", False) or not hasattr(type(llm), "generate"):
-        yield
-        return
-    import functools
-
-    llm.generate = functools.partial(type(llm).generate, llm, use_tqdm=False)  # an instance attribute
-    try:
-        yield
-    finally:
-        llm.__dict__.pop("generate", None)
 
 
 def default_cuda_graphs() -> bool:
@@ -499,18 +455,6 @@ def _sleep_platform() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_sleep_mode_available()
-
-
-def _check_sleep(platform_ok: bool, enabled: bool) -> None:
-    if not platform_ok:
-        raise NotImplementedError(
-            "vLLM's sleep mode needs a GPU; on CPU vLLM ignores it (its CPUWorker only logs a warning). "
-            "To give an engine's memory back here, close it: model.close() (with isolate=True, close() "
-            "ends the engine's processes and all of their memory comes back)."
-        )
-    if not enabled:
-        raise ValueError("this engine was loaded without sleep mode; load it with "
-                         "nv.load(..., enable_sleep_mode=True) to use sleep()/wake()")
 
 
 def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engine_args: Any):
@@ -647,7 +591,6 @@ def engines() -> list[EngineInfo]:
         [EngineInfo(model='.../toy_model', kind='isolated', pid=4242, rss_mib=1661.0,
                     url='http://127.0.0.1:40731')]
     """
-    from .isolated import tree_rss
 
     live = [m for m in (ref() for ref in list(_ENGINES.values())) if m is not None]
     isolated = [m for m in live if getattr(m, "_nnvllm_isolated", False)]

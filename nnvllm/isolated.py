@@ -41,7 +41,7 @@ from typing import Any
 
 __all__ = ["EngineDied", "RemoteEngine", "start", "attach", "tree_rss"]
 
-from .server import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER  # stdlib-only at import
+from ._procs import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER, check_sleep, real_stdout, tree_rss  # stdlib-only at import
 
 _CONNECT_TIMEOUT = 10.0
 
@@ -52,24 +52,6 @@ class EngineDied(RuntimeError):
     The message says why and what to do: ``model.restart()`` starts a new engine with the same
     arguments in a fresh process, with no kernel restart.
     """
-
-
-def tree_rss(pid: int) -> int | None:
-    """Resident memory (bytes) of process ``pid`` and all its descendants; None if it is gone."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return None
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
 
 
 def _tail(path: Path | None, lines: int = 30) -> str:
@@ -603,10 +585,8 @@ class IsolatedMixin:
         self._connection().request("POST", "/v1/nnvllm/wake")
 
     def _check_sleep(self) -> None:
-        from .engine import _check_sleep
-
         self._connection()
-        _check_sleep(self._info.get("sleep_platform", False), self._info.get("sleep_mode", False))
+        check_sleep(self._info.get("sleep_platform", False), self._info.get("sleep_mode", False))
 
     def __enter__(self):
         return self
@@ -635,8 +615,6 @@ def _check_json(engine_args: dict) -> None:
 
 def _meta_model(cls, checkpoint: str, engine_args: dict):
     """Build the client's meta-only model (never dispatched) and close its torch TCPStore."""
-    from .engine import real_stdout
-
     with real_stdout():
         model = cls(checkpoint, **engine_args)
     if getattr(model, "_owns_distributed", False):

@@ -47,9 +47,7 @@ from typing import Any
 
 __all__ = ["ENGINE_DIED", "TOKEN_ENV", "TOKEN_HEADER", "main"]
 
-TOKEN_HEADER = "ndif-api-key"  # what nnsight's serve client sends
-TOKEN_ENV = "NNVLLM_TOKEN"  # how nv.load(isolate=True) hands the token over (argv is world-readable)
-ENGINE_DIED = "nnvllm: engine died"  # the 503 detail clients turn into nv.EngineDied
+from ._procs import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER  # (stdlib-only at import)
 
 
 def _torch_payload(obj: Any):

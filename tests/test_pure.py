@@ -715,3 +715,34 @@ def test_nnvllm_shows_no_transformers_bars(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Writing model shards" not in err and "Loading weights" not in err, err[-500:]
     assert hf_logging.is_progress_bar_enabled()
+
+
+def test_the_package_import_graph_has_no_cycles():
+    """Issue 13: nnvllm's modules import one another in one direction only, counting imports inside
+    functions too (a cycle there is still a tangle, and a lazy import can hide it)."""
+    import ast
+
+    import nnvllm
+
+    root = Path(nnvllm.__file__).parent
+    mods = {p.stem: p for p in root.glob("*.py")}
+    graph = {}
+    for name, p in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                first = (node.module or "").split(".")[0]
+                deps |= {x for x in ([first] if first else [a.name for a in node.names]) if x in mods}
+        graph[name] = deps - {name}
+    found = []
+
+    def visit(node, path):
+        for nxt in graph[node]:
+            if nxt == path[0]:
+                found.append(" -> ".join(path + [nxt]))
+            elif nxt not in path:
+                visit(nxt, path + [nxt])
+
+    for start in graph:
+        visit(start, [start])
+    assert not found, found[:5]
