@@ -123,7 +123,7 @@ def patch(
     positions="all",
     site: str = "resid",
     step: int = 0,
-    progress: bool = True,
+    progress=True,
 ) -> PatchResult:
     """Patch clean activations into the corrupt run, one (layer, position) at a time.
 
@@ -148,7 +148,8 @@ def patch(
             patches a generated step instead: both prompts generate greedily, the value at the
             position fed at decode step ``s`` (the clean run's) is written into the corrupt run at
             that step, and the logits of step ``s`` are measured; ``positions`` must stay "all".
-        progress: show a progress bar while the patched passes run.
+        progress: show a progress bar while the patched runs go (True), not (False), or call
+            ``progress(done, total)`` (cells) after each batch of them (a widget's bar).
 
     Returns:
         A :class:`~nnvllm.patching.PatchResult` (``effect`` ``[layer, pos]``, ``plot()``, ``to_frame()``).
@@ -166,7 +167,8 @@ def patch(
         raise ValueError(f"site={site!r}; patch() writes 'resid', 'attn' or 'mlp' (same width as the stream)")
     clean, corrupt = _one_prompt("clean", clean), _one_prompt("corrupt", corrupt)
     step = _validate.integer("step", step, lo=0, expected="expected an int >= 0 (0 = the prompt, s = generated step s)")
-    progress = _validate.boolean("progress", progress)
+    if not (isinstance(progress, bool) or callable(progress)):  # the check runs before any engine work
+        raise TypeError(f"progress={progress!r}; expected True, False or a function progress(done, total)")
     engine = engine_of(model)  # a closed (or dead) engine says so here
     tok = model.tokenizer
     vocab = engine.info().get("vocab_size")
@@ -219,7 +221,7 @@ def patch(
     cells = [(j, layer, p) for j, layer in enumerate(L) for p in P]
     diffs = torch.zeros(len(cells))
     chunk = 64  # patched runs per call: bounded so a progress bar moves and memory stays flat
-    bar = tqdm(total=len(cells), desc="patching", disable=not progress, leave=False)
+    bar = tqdm(total=len(cells), desc="patching", disable=progress is not True, leave=False)
     from .edits import Edit
 
     for start in range(0, len(cells), chunk):
@@ -234,6 +236,8 @@ def patch(
         for k in range(len(part)):
             diffs[start + k] = float(logit_diff(run.logits[k][step], a_id, w_id))
         bar.update(len(part))
+        if callable(progress):
+            progress(start + len(part), len(cells))
     bar.close()
     patched = diffs.view(len(L), len(P))
     return PatchResult(

@@ -594,8 +594,8 @@ class PatchExplorer(_Explorer):
 
     Controls: ``clean``, ``corrupt``, ``answer``, ``wrong`` (Text), ``site`` (Dropdown: resid, attn,
     mlp), ``layers`` (IntRangeSlider of blocks), ``positions`` (SelectMultiple of the clean
-    prompt's tokens), ``run_button`` ("Run sweep", one :func:`nnvllm.patch` call per layer so
-    ``progress`` moves), then ``cell_layer`` and ``cell_pos`` (choose a cell of the result).
+    prompt's tokens), ``run_button`` ("Run sweep": one :func:`nnvllm.patch` call whose progress
+    callback moves ``progress``, cells done), then ``cell_layer`` and ``cell_pos`` (choose a cell of the result).
     Views: ``plot`` (Output, class ``nnvllm-plot``), ``cell`` (HTML). State: ``result``
     (:class:`~nnvllm.patching.PatchResult`), ``png``, ``last_error``.
 
@@ -627,7 +627,7 @@ class PatchExplorer(_Explorer):
                                        continuous_update=False)
         self.positions = W.SelectMultiple(description="positions", rows=6)
         self.run_button = _button("Run sweep", self.sweep)
-        self.progress = W.IntProgress(value=0, min=0, max=1, description="layers done")
+        self.progress = W.IntProgress(value=0, min=0, max=1, description="cells done")
         self.progress.add_class("nnvllm-progress")
         self.cell_layer = W.SelectionSlider(options=[0], description="cell layer", continuous_update=False)
         self.cell_pos = W.SelectionSlider(options=[0], description="cell pos", continuous_update=False)
@@ -674,14 +674,15 @@ class PatchExplorer(_Explorer):
             raise ValueError("no positions selected; choose at least one token in 'positions'.")
         lo, hi = self.layers.value
         layers = list(range(lo, hi + 1))
-        self.progress.max, self.progress.value = len(layers), 0
-        parts = []
-        for layer in layers:  # one call per layer: the bar moves, and each call is one engine trace
-            parts.append(self._quiet(patch, self.model, self.clean.value, self.corrupt.value, self.answer.value,
-                                     self.wrong.value, layers=[layer], positions=positions,
-                                     site=self.site.value, progress=False))
-            self.progress.value += 1
-        res = merge_patch_results(parts)
+        self.progress.max, self.progress.value = len(layers) * len(positions), 0
+
+        def moved(done: int, total: int) -> None:
+            self.progress.max, self.progress.value = total, done
+
+        # One sweep (the base generations once), the bar moving with each batch of patched runs.
+        res = self._quiet(patch, self.model, self.clean.value, self.corrupt.value, self.answer.value,
+                          self.wrong.value, layers=layers, positions=positions, site=self.site.value,
+                          progress=moved)
         self.result = res
         best_layer, best_pos, _ = res.best()
         self._drawing = False  # options first, then values: the observers redraw once at the end

@@ -220,7 +220,7 @@ def test_patch_explorer(toy):
     assert ex.positions.value == (0, 1, 2, 3, 4) and ex.layers.value == (0, toy.n_layers - 1)
     ex.run_button.click()
     assert ex.last_error is None, ex.error.value
-    assert (ex.progress.value, ex.progress.max) == (toy.n_layers, toy.n_layers)
+    assert (ex.progress.value, ex.progress.max) == (toy.n_layers * 5,) * 2  # cells, from patch's callback
     res = ex.result
     assert res.layers == list(range(toy.n_layers)) and res.positions == [0, 1, 2, 3, 4]
     assert ex.effect_at(toy.n_layers - 1, 4) == pytest.approx(1.0, abs=1e-4)  # last block, last pos: all of it
@@ -244,7 +244,7 @@ def test_patch_explorer(toy):
     ex.run_button.click()
     assert ex.error.value == "" and ex.result.site == "mlp"
     assert ex.result.layers == [0, 1] and ex.result.positions == [3, 4]
-    assert ex.progress.value == ex.progress.max == 2
+    assert ex.progress.value == ex.progress.max == 4
 
     ex.clean.value = "The capital of Spain is"  # positions follow the clean prompt's tokens
     assert ex.positions.options[3] == ("3: ' Spain'", 3)
