@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nnvllm as nv
-from conftest import engine_kwargs
+from conftest import engine_kwargs, same_values
 from nnvllm.analyses import unembedding
 from nnvllm.lens import lens_topk
 
@@ -52,12 +52,15 @@ def test_streamed_steps_equal_the_final_run_and_generate(model):
     s = nv.stream(m, PROMPTS, max_tokens=6, ignore_eos=True)
     assert s.run is None
     steps = list(s)
-    assert len(steps) >= 6 and steps[0].lens_ids.shape == (len(PROMPTS), m.n_layers)
+    # Usually one token per prompt per step; an engine core in its own process (a GPU) may deliver a
+    # prompt's first token a step late, or two tokens in one step: the tokens and the lens at each
+    # step's newest token are what must match (check_steps_match_run).
+    assert len(steps) >= 2 and steps[0].lens_ids.shape == (len(PROMPTS), m.n_layers)
     check_steps_match_run(m, steps, s.run)
     ref = nv.generate(m, PROMPTS, max_tokens=6, ignore_eos=True)
     assert s.run.tokens == ref.tokens and not s.stopped
     for i in range(len(PROMPTS)):
-        assert torch.equal(s.run.resid[i], ref.resid[i]) and torch.equal(s.run.logits[i], ref.logits[i])
+        assert same_values(s.run.resid[i], ref.resid[i]) and same_values(s.run.logits[i], ref.logits[i])
     assert "running" not in repr(s) and "done" in repr(s)
 
 
@@ -78,7 +81,7 @@ def test_stop_keeps_what_was_produced_and_break_leaves_the_engine_clean(model):
         if step.index == 1:
             break  # abandon it: the generation is aborted and the edit disarmed
     again = nv.generate(m, PROMPTS[:2], max_tokens=3, ignore_eos=True)
-    assert again.tokens == clean.tokens and torch.equal(again.resid[0], clean.resid[0])
+    assert again.tokens == clean.tokens and same_values(again.resid[0], clean.resid[0])
 
 
 def test_a_steered_stream_equals_the_steered_generate(model):
@@ -88,7 +91,7 @@ def test_a_steered_stream_equals_the_steered_generate(model):
     s = nv.stream(m, PROMPTS[:2], max_tokens=4, ignore_eos=True, edits=edits)
     steps = list(s)
     ref = nv.generate(m, PROMPTS[:2], max_tokens=4, ignore_eos=True, edits=edits)
-    assert s.run.tokens == ref.tokens and torch.equal(s.run.resid[0], ref.resid[0])
+    assert s.run.tokens == ref.tokens and same_values(s.run.resid[0], ref.resid[0])
     check_steps_match_run(m, steps, s.run)
     assert s.run.meta["edits"] == ref.meta["edits"]
 
