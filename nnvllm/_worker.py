@@ -280,7 +280,7 @@ def _site_widths(model: Any, arch: dict, tp: int) -> dict[str, int]:
         mod = blocks[0].get_submodule(path)
         # vLLM's parallel linear layers know their per-rank sizes (weights may be repacked).
         attr = "output_size_per_partition" if side == "output" else "input_size_per_partition"
-        out[site] = getattr(mod, attr, None)
+        out[site] = getattr(mod, attr, None) or getattr(mod, "output_size" if side == "output" else "input_size", None)
     return {k: v for k, v in out.items() if v}
 
 

@@ -14,6 +14,8 @@ mlp        MLP output                                       d_model
 mlp_in     MLP activation input (GPT-2: c_fc output; Llama:  d_mlp (x2
            gate_up output, gate and up concatenated)         Llama)
 mlp_act    MLP activation output (input of the down-proj)   d_mlp
+router     a mixture-of-experts block's router logits       n_experts
+           (before softmax and top-k: the routing)
 =========  ===============================================  =========
 """
 
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["Arch", "ARCHS", "SITES", "arch_for", "register_arch", "untie_shared_modules"]
 
-SITES = ("resid", "attn", "mlp", "mlp_in", "mlp_act")
+SITES = ("resid", "attn", "mlp", "mlp_in", "mlp_act", "router")
 
 
 @dataclass(frozen=True)
@@ -89,9 +91,14 @@ class Arch:
         """Raise a ValueError naming what this family offers if a site is not one of its sites."""
         missing = [n for n in names if n not in self.sites]
         if missing:
+            why = []
+            if "router" in missing:
+                why.append("only a mixture-of-experts family has a router")
+            if {"mlp_in", "mlp_act"} & set(missing) and "router" in self.sites:
+                why.append("a mixture-of-experts block has no single MLP activation to read")
             raise ValueError(
-                f"sites={list(missing)!r}: the {self.family} family offers {[s for s in SITES if s in self.sites]} "
-                "(a mixture-of-experts block has no single MLP activation to read)")
+                f"sites={list(missing)!r}: the {self.family} family offers {[s for s in SITES if s in self.sites]}"
+                + (f" ({'; '.join(why)})" if why else ""))
 
     def hf_site(self, name: str) -> tuple[str | tuple[str, ...], str]:
         """(path or paths, side) of a site in transformers' tree."""
@@ -146,9 +153,12 @@ _GEMMA3 = Arch(family="gemma3", blocks="model.layers", final_norm="model.norm", 
                merged_gate_up=True, returns_residual=True, logit_softcap="final_logit_softcapping")
 
 # Qwen3-MoE: Llama's layout, with a sparse mixture-of-experts block as the MLP. Its output (routed
-# experts combined, all-reduced under TP) is the "mlp" site; per-expert sites are not offered.
+# experts combined, all-reduced under TP) is the "mlp" site; per-expert sites are not offered. The
+# router's logits (the gate's output, one per expert, replicated under TP) are the "router" site:
+# the routing itself is their softmax's top-k.
 _QWEN3_MOE = Arch(family="qwen3_moe", blocks="model.layers", final_norm="model.norm", unembed="lm_head",
-                  sites={k: v for k, v in _LLAMA_SITES.items() if k in ("resid", "attn", "mlp")},
+                  sites={**{k: v for k, v in _LLAMA_SITES.items() if k in ("resid", "attn", "mlp")},
+                         "router": ("mlp.gate", "output")},
                   returns_residual=True)
 
 # GPT-NeoX (Pythia): parallel attention and MLP, one residual add; LayerNorms; untied embed_out. The

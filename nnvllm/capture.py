@@ -260,7 +260,7 @@ def generate(
         layers: blocks whose output (the residual stream) to keep: "all", an int, a list, or None.
         logits: keep the ``[step, d_vocab]`` pre-sampling logits (samples are computed either way).
         top_k: how many alternatives :class:`~nnvllm.results.Samples` reports per step.
-        sites: extra per-block sites to keep, from ``("attn", "mlp", "mlp_in", "mlp_act")``,
+        sites: extra per-block sites to keep, from ``("attn", "mlp", "mlp_in", "mlp_act", "router")``,
             for the same ``layers``.
         ignore_eos: keep generating past the end-of-sequence token (a fixed number of steps).
         edits: :class:`~nnvllm.edits.Edit` s made while generating (steering, ablation, scaling; see

@@ -217,7 +217,10 @@ def site_widths(model) -> dict[str, int]:
         return {}
     d_mlp = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None) or 4 * d
     merged = getattr(getattr(model, "arch", None), "merged_gate_up", False)
-    return {"resid": d, "attn": d, "mlp": d, "mlp_act": d_mlp, "mlp_in": d_mlp * (2 if merged else 1)}
+    out = {"resid": d, "attn": d, "mlp": d, "mlp_act": d_mlp, "mlp_in": d_mlp * (2 if merged else 1)}
+    if getattr(cfg, "num_experts", None):
+        out["router"] = cfg.num_experts
+    return out
 
 
 def to_spec(edits: list[Edit]) -> list[dict]:

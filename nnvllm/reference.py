@@ -108,8 +108,8 @@ def _forward_capture(model, arch, ids: list[int], layer_ids: list[int], wanted: 
     got: dict[tuple[str, int], torch.Tensor] = {}
     handles = []
 
-    def put(key, x):
-        got[key] = x[0].detach().float().cpu().clone()
+    def put(key, x):  # [1, pos, width]; a few modules (an MoE router) see the tokens flattened: [pos, width]
+        got[key] = (x[0] if x.dim() == 3 else x).detach().float().cpu().clone()
 
     def hook(mod, side, key):
         if side == "input":

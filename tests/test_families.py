@@ -28,7 +28,7 @@ FAMILY_OF = {"mistral": "llama", "qwen2": "llama", "qwen3": "llama", "phi3": "ph
              "gemma3": "gemma3", "qwen3_moe": "qwen3_moe", "gpt_neox": "gpt_neox", "olmo2": "olmo2"}
 MOE = {"qwen3_moe"}
 PROMPTS = ["The capital of France is", "Paris is the capital of"]
-SITES = ("attn", "mlp", "mlp_in", "mlp_act")
+SITES = ("attn", "mlp", "mlp_in", "mlp_act", "router")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -52,9 +52,15 @@ def test_family_captures_match_transformers(fam, fidelity):
         for s in sites:
             hf.check(run.sites[s][i], 1e-3, lambda r, s=s, i=i: r.sites[s][i], f"{kind} {s}[{i}]")
     if kind in MOE:
-        with pytest.raises(ValueError, match=r"the qwen3_moe family offers \['resid', 'attn', 'mlp'\]"):
+        with pytest.raises(ValueError, match=r"the qwen3_moe family offers \['resid', 'attn', 'mlp', 'router'\]"):
             nv.generate(model, PROMPTS[0], max_tokens=1, sites=["mlp_act"])
         assert nv.generate(model, PROMPTS[0], max_tokens=1).tokens  # the engine is fine
+        # The router's logits are the routing: its softmax's top-k are the experts each token went to.
+        top = run.sites["router"][0].float().softmax(-1).topk(2, dim=-1).indices
+        assert top.shape == (model.n_layers, run.resid[0].shape[1], 2) and top.unique().numel() > 2
+    else:
+        with pytest.raises(ValueError, match="only a mixture-of-experts family has a router"):
+            nv.generate(model, PROMPTS[0], max_tokens=1, sites=["router"])
 
 
 def test_family_lens_last_layer_is_the_engines_distribution(fam):
