@@ -85,6 +85,16 @@ async def _rpc(engine, method: str, args: tuple = ()):
             raise RuntimeError(f"the engine core died during {method}")
 
 
+def _per_prompt_params(req: dict, output_kind) -> list:
+    """One vLLM ``SamplingParams`` per prompt from a capture request's plain params (one dict for
+    all prompts, or one per prompt: per-prompt edits tag each request with its index)."""
+    from vllm import SamplingParams
+
+    given = req["params"]
+    per = given if isinstance(given, list) else [given] * len(req["prompts"])
+    return [SamplingParams(**p, output_kind=output_kind) for p in per]
+
+
 def _merge_saves(mediators: list, per_request: list[dict]) -> dict:
     """Merge per-invoke saves the way nnsight's in-process engine does (``VLLM._collect``).
 
@@ -197,7 +207,6 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         The activations travel through shared memory (``nnvllm._worker``): the reply is small.
         """
         import torch
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         from .capture import plain_output
@@ -207,9 +216,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         engine = model_.vllm_entrypoint
         try:
             # Final outputs only: a per-step output per request costs Python per request x step.
-            given = req["params"]
-            per = given if isinstance(given, list) else [given] * len(req["prompts"])
-            params = [SamplingParams(**p, output_kind=RequestOutputKind.FINAL_ONLY) for p in per]
+            params = _per_prompt_params(req, RequestOutputKind.FINAL_ONLY)
         except (TypeError, ValueError) as e:
             return _torch_payload({"error": (type(e).__name__, str(e))})
 
@@ -251,7 +258,6 @@ def _install(app, token: str, model, checkpoint: str) -> None:
 
         import torch
         from fastapi.responses import StreamingResponse
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         from .capture import plain_output
@@ -259,9 +265,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         engine = serve._ready().vllm_entrypoint
         req = torch.load(io.BytesIO(await request.body()), weights_only=True)
         try:
-            given = req["params"]
-            per = given if isinstance(given, list) else [given] * len(req["prompts"])
-            params = [SamplingParams(**p, output_kind=RequestOutputKind.CUMULATIVE) for p in per]
+            params = _per_prompt_params(req, RequestOutputKind.CUMULATIVE)  # every step's output
         except (TypeError, ValueError) as e:
             return _torch_payload({"error": (type(e).__name__, str(e))})
         sid = str(req["stream_id"])
