@@ -11,6 +11,8 @@ The public verbs, one hop from here:
 - :func:`stream` (``streaming.py``) — the same, step by step while the engine generates (:class:`Stream`
   of :class:`Step` s: new tokens, their probabilities, the lens top-1 per layer); ``LiveGeneration``
   (``widgets.py``) shows it live with a Stop button.
+- ``widgets.py`` — the notebook explorers (lens, samples, patching, compare, live); what they show is
+  computed by the pure functions of ``views.py``.
 - :func:`collect` (``store.py``) — many prompts, chunked to disk under a memory budget, read lazily.
 - :func:`reference` (``reference.py``) — the same capture on plain transformers (ground truth).
 - :func:`logit_lens`, :func:`patch`, :func:`steering_vector` (``analyses.py``; math in ``lens.py``, ``patching.py``).

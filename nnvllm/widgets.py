@@ -10,8 +10,9 @@ Everything a test needs is state: set a control's ``.value``, call ``.run_button
 the result attributes (``lens``, ``result``, ``run``, ``discrepancy``), the table HTML
 (``.table.value``) and the last drawn image (``.png``, PNG bytes).
 
-This is the only module that imports ipywidgets. The logic lives in the pure helpers below
-(``lens_table_html``, ``merge_patch_results``, ...), which are tested without an engine.
+This is the only module that imports ipywidgets. What the widgets show (tables, HTML, figures) is
+computed by the pure functions of :mod:`nnvllm.views`, tested without a notebook; the analyses
+they run are nnvllm's verbs (``nv.logit_lens``, ``nv.patch``, ``nv.compare``, ``nv.stream``).
 
 Example::
 
@@ -23,8 +24,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -33,274 +32,30 @@ import ipywidgets as W
 from .analyses import logit_lens, patch
 from .capture import generate
 from .compare import Discrepancy, compare
-from .patching import PatchResult, normalized_effect
+from .patching import PatchResult
 from .results import Run
+from .views import (
+    HIGHLIGHT,
+    METRICS,
+    error_html,
+    figure,
+    figure_png,
+    lens_rows,
+    lens_table_html,
+    live_lens_html,
+    per_position,
+    plain_title,
+    position_table_html,
+    step_position,
+    summary_html,
+    tok_html,
+    token_options,
+)
 
-__all__ = [
-    "CompareView",
-    "LensExplorer",
-    "LiveGeneration",
-    "live_lens_html",
-    "PatchExplorer",
-    "SamplesExplorer",
-    "error_html",
-    "figure_png",
-    "lens_rows",
-    "lens_table_html",
-    "merge_patch_results",
-    "per_position",
-    "step_position",
-    "summary_html",
-    "token_options",
-]
+__all__ = ["CompareView", "LensExplorer", "LiveGeneration", "PatchExplorer", "SamplesExplorer"]
 
 #: Top-k the lens is computed with; the widget's top-k slider shows up to this many.
 LENS_TOP_K = 10
-_HIGHLIGHT = "#ff7f0e"
-_METRICS = ("max_abs", "rel_err", "cosine")
-
-
-# ---------------------------------------------------------------------------------- pure helpers
-
-
-def _tok(text: str) -> str:
-    """A token as HTML: escaped, whitespace kept (``white-space: pre``) so " Paris" shows its space."""
-    return f"<code style='white-space:pre'>{html.escape(text)}</code>"
-
-
-def step_position(lens, step: int) -> int:
-    """Return the position whose lens distribution predicts generated token ``step``.
-
-    Position ``p`` holds token ``labels[p]`` and predicts token ``p + 1``; generated token 0 is
-    predicted at the last prompt position, ``prompt_len - 1``.
-
-    Example::
-
-        step_position(lens, 0)      # lens.prompt_len - 1
-    """
-    n = len(lens.generated)
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < max(n, 1):
-        raise ValueError(f"step={step!r} out of range for a lens of {n} generated tokens (0-{n - 1}).")
-    return lens.prompt_len - 1 + step
-
-
-def lens_rows(lens, layer_index: int, k: int = 5) -> list[dict]:
-    """Return one row per position: the input token and the lens's top-``k`` at one layer.
-
-    Args:
-        lens: a :class:`nnvllm.lens.Lens`.
-        layer_index: index into ``lens.layers`` (``-1`` is the last captured block).
-        k: how many tokens per position (at most the lens's own k).
-
-    Returns:
-        Dicts with ``pos``, ``input`` (token text at pos), ``generated`` (pos holds a generated
-        token), ``top`` (list of ``(token text, prob)``, most likely first).
-
-    Example::
-
-        lens_rows(lens, -1, k=3)[lens.prompt_len - 1]["top"][0]    # (' Paris', 0.98)
-    """
-    n_layer, n_pos, k_max = lens.top_ids.shape
-    if isinstance(layer_index, bool) or not isinstance(layer_index, int) or not -n_layer <= layer_index < n_layer:
-        raise ValueError(
-            f"layer_index={layer_index!r} out of range for a lens of {n_layer} layers (0-{n_layer - 1})."
-        )
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k={k!r} must be a positive int, e.g. k=5.")
-    k = min(k, k_max)
-    ids = lens.top_ids[layer_index, :, :k].tolist()
-    probs = lens.top_probs[layer_index, :, :k].float().tolist()
-    tok = lens.tokenizer
-    decode = (lambda t: str(t)) if tok is None else (lambda t: tok.decode([int(t)]))
-    return [
-        {
-            "pos": p,
-            "input": lens.labels[p],
-            "generated": p >= lens.prompt_len,
-            "top": [(decode(t), float(q)) for t, q in zip(ids[p], probs[p])],
-        }
-        for p in range(n_pos)
-    ]
-
-
-def lens_table_html(lens, layer_index: int, k: int = 5, highlight_pos: int | None = None) -> str:
-    """Return an HTML table of one layer's top-``k`` lens tokens at each position.
-
-    One row per position (input token, then the ``k`` most likely next tokens with their
-    probabilities). Generated positions are italic; ``highlight_pos`` gets a coloured row. Token
-    text is HTML-escaped and whitespace is kept, so the string contains e.g. ``" Paris"``.
-
-    Example::
-
-        HTML(lens_table_html(lens, -1, k=3))
-    """
-    rows = lens_rows(lens, layer_index, k)
-    k = len(rows[0]["top"]) if rows else 0
-    block = lens.layers[layer_index]
-    head = "".join(f"<th>top {r + 1}</th>" for r in range(k))
-    out = [
-        "<table class='nnvllm-table' style='border-collapse:collapse;font-size:12px'>",
-        f"<caption style='text-align:left'>layer {block}: top-{k} next tokens at each position</caption>",
-        f"<tr><th>pos</th><th>input</th>{head}</tr>",
-    ]
-    for r in rows:
-        style = []
-        if r["pos"] == highlight_pos:
-            style.append(f"background:{_HIGHLIGHT}33")
-        if r["generated"]:
-            style.append("font-style:italic")
-        cells = "".join(
-            f"<td style='padding:0 6px;white-space:nowrap'>{_tok(t)} <span style='color:#666'>{q:.2f}</span></td>"
-            for t, q in r["top"]
-        )
-        out.append(
-            f"<tr data-pos='{r['pos']}' style='{';'.join(style)}'><td>{r['pos']}</td>"
-            f"<td>{_tok(r['input'])}</td>{cells}</tr>"
-        )
-    out.append("</table>")
-    return "\n".join(out)
-
-
-def live_lens_html(layers: list[int], cells: list[list[tuple[str, float]]], generated: list[str]) -> str:
-    """The live lens panel: one row per layer, one column per generated token (``generated``), each
-    cell the lens's top-1 token at the position that produced that token, shaded by its probability.
-
-    ``cells[t][j]`` is ``(token text, probability)`` for step ``t`` and ``layers[j]`` (the top row is the
-    last layer, as in the lens heatmap). NaN probabilities (no value) show an empty cell.
-    """
-    head = "".join(f"<th style='padding:0 4px'>{_tok(g)}</th>" for g in generated)
-    rows = []
-    for j in reversed(range(len(layers))):
-        tds = []
-        for col in cells:
-            text, p = col[j]
-            if p != p:  # NaN
-                tds.append("<td></td>")
-                continue
-            tds.append(f"<td title='{p:.3f}' style='padding:0 4px;background:rgba(31,119,180,{0.15 + 0.7 * p:.2f})'>"
-                       f"{_tok(text)}</td>")
-        rows.append(f"<tr><th style='text-align:right;padding-right:6px'>L{layers[j]}</th>{''.join(tds)}</tr>")
-    return (f"<table class='nnvllm-live-lens' style='border-collapse:collapse;font-size:12px'>"
-            f"<tr><th>layer</th>{head}</tr>{''.join(rows)}</table>")
-
-
-def token_options(tokenizer, text: str) -> list[tuple[str, int]]:
-    """Return ``(label, pos)`` for each token of ``text`` as :func:`nnvllm.patch` positions count them.
-
-    The same ``tokenizer.encode(text)`` as ``patch`` (special tokens included, e.g. a BOS).
-
-    Example::
-
-        token_options(model.tokenizer, "The capital of France is")[3]   # ("3: ' France'", 3)
-    """
-    ids = tokenizer.encode(text)
-    return [(f"{p}: {tokenizer.decode([t])!r}", p) for p, t in enumerate(ids)]
-
-
-def merge_patch_results(parts: list[PatchResult]) -> PatchResult:
-    """Stack sweeps over different layers (same prompts, positions, site) into one result.
-
-    The effect is recomputed from the raw logit differences with the first part's clean and
-    corrupt baselines, so the merged result is the one a single sweep would give.
-
-    Example::
-
-        merge_patch_results([nv.patch(m, c, x, a, w, layers=[j]) for j in range(m.n_layers)])
-    """
-    import torch
-
-    if not parts:
-        raise ValueError("merge_patch_results needs at least one PatchResult, got none.")
-    first = parts[0]
-    for p in parts[1:]:
-        if (p.positions, p.site, p.answer, p.wrong) != (first.positions, first.site, first.answer, first.wrong):
-            raise ValueError(
-                "merge_patch_results needs parts with the same positions, site, answer and wrong token; "
-                f"got {(p.positions, p.site, p.answer, p.wrong)} vs "
-                f"{(first.positions, first.site, first.answer, first.wrong)}."
-            )
-    patched = torch.cat([p.patched_diff for p in parts])
-    return PatchResult(
-        effect=normalized_effect(patched, first.clean_diff, first.corrupt_diff),
-        patched_diff=patched,
-        clean_diff=first.clean_diff,
-        corrupt_diff=first.corrupt_diff,
-        layers=[layer for p in parts for layer in p.layers],
-        positions=list(first.positions),
-        labels=list(first.labels),
-        site=first.site,
-        answer=first.answer,
-        wrong=first.wrong,
-        step=first.step,
-    )
-
-
-def per_position(d: Discrepancy, metric: str, layer: int):
-    """Return one metric at one layer as a ``request × pos`` table (residual stream rows).
-
-    Example::
-
-        per_position(nv.compare(ref, run), "rel_err", 3)
-    """
-    if metric not in _METRICS:
-        raise ValueError(f"metric={metric!r} is not one of {_METRICS}; pass e.g. metric='rel_err'.")
-    rows = d.resid[(d.resid["site"] == "resid") & (d.resid["layer"] == layer)]
-    return rows.pivot(index="request", columns="pos", values=metric)
-
-
-def position_table_html(table, metric: str, layer: int) -> str:
-    """The per-position table of :func:`per_position` as HTML: cosine shown as ``1 - cosine`` (a
-    cosine of 0.9999999 and of 1 both print as 1.000000000), and "n/a" where a request has no such
-    position (it is shorter, or its tokens forked earlier)."""
-    name = "1 - cosine" if metric == "cosine" else metric
-    shown = 1.0 - table if metric == "cosine" else table
-    return (f"<b>{html.escape(name)} at layer {layer}</b> (rows: request, columns: position)"
-            + shown.to_html(float_format="{:.3g}".format, na_rep="n/a", classes="nnvllm-table"))
-
-
-def _plain(text: str) -> str:
-    """A name safe in a matplotlib title: ``$`` would start mathtext (a ParseException on a stray ``^``)."""
-    return str(text).replace("$", r"\$")
-
-
-def summary_html(d: Discrepancy) -> str:
-    """Return :meth:`Discrepancy.summary` as a two-column HTML table."""
-    s = d.summary()
-    fmt = {
-        "max_abs": "{:.3g}", "max_rel_err": "{:.3g}", "min_cosine": "{:.9f}", "max_kl": "{:.3g}",
-        "top1_agreement": "{:.3f}", "token_agreement": "{:.3f}",
-    }
-    rows = [f"<tr><th colspan=2 style='text-align:left'>{html.escape(' vs '.join(s['names']))}</th></tr>"]
-    for key, value in s.items():
-        if key == "names":
-            continue
-        text = fmt[key].format(value) if key in fmt else str(value)
-        rows.append(f"<tr><td>{html.escape(key)}</td><td style='padding-left:8px'>{html.escape(text)}</td></tr>")
-    return "<table class='nnvllm-summary' style='font-size:12px'>" + "".join(rows) + "</table>"
-
-
-def error_html(exc: BaseException) -> str:
-    """Return an exception as HTML: its message in red, the traceback folded below."""
-    msg = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return (
-        f"<div style='color:#b00020'><b>Error:</b> <code style='white-space:pre-wrap'>{html.escape(msg)}"
-        f"</code></div><details><summary>traceback</summary><pre style='font-size:11px'>"
-        f"{html.escape(tb)}</pre></details>"
-    )
-
-
-def figure_png(fig) -> bytes:
-    """Render a matplotlib Figure to PNG bytes (no pyplot, no backend state touched)."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", bbox_inches="tight")
-    return buf.getvalue()
-
-
-def _figure(width: float, height: float):
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height))
 
 
 # ---------------------------------------------------------------------------------- the explorers
@@ -484,7 +239,7 @@ class LensExplorer(_Explorer):
         n_layer, n_pos, _ = lens.top_ids.shape
         shown = min(n_pos, 40)
         start = n_pos - shown  # plot_lens shows the last 40 positions
-        fig = _figure(max(6.0, 2.0 + 0.55 * shown), max(3.0, 1.6 + 0.42 * n_layer))
+        fig = figure(max(6.0, 2.0 + 0.55 * shown), max(3.0, 1.6 + 0.42 * n_layer))
         ax = fig.subplots()
         lens.plot(ax=ax, max_positions=40)
         ax.add_patch(_rect(-0.5, j - 0.5, shown, 1.0, lw=2.5))
@@ -497,8 +252,8 @@ class LensExplorer(_Explorer):
         gen = lens.generated[int(self.step.value)] if lens.generated else None
         gen_text = "" if gen is None else (lens.tokenizer.decode([gen]) if lens.tokenizer else str(gen))
         self.status.value = (
-            f"step {self.step.value}: the model generated {_tok(gen_text)}; at layer {lens.layers[j]} "
-            f"the lens's top-1 at position {pos} ({_tok(row['input'])}) is {_tok(row['top'][0][0])} "
+            f"step {self.step.value}: the model generated {tok_html(gen_text)}; at layer {lens.layers[j]} "
+            f"the lens's top-1 at position {pos} ({tok_html(row['input'])}) is {tok_html(row['top'][0][0])} "
             f"(p={row['top'][0][1]:.2f})"
         )
 
@@ -506,7 +261,7 @@ class LensExplorer(_Explorer):
 def _rect(x, y, w, h, lw=2.0, ls="-"):
     from matplotlib.patches import Rectangle
 
-    return Rectangle((x, y), w, h, fill=False, edgecolor=_HIGHLIGHT, linewidth=lw, linestyle=ls, clip_on=False)
+    return Rectangle((x, y), w, h, fill=False, edgecolor=HIGHLIGHT, linewidth=lw, linestyle=ls, clip_on=False)
 
 
 class SamplesExplorer(_Explorer):
@@ -572,7 +327,7 @@ class SamplesExplorer(_Explorer):
         self.run = run
         tok = self.model.tokenizer
         s = run.samples[0]
-        fig = _figure(max(6.0, 1.5 + 0.5 * len(s)), 3.6)
+        fig = figure(max(6.0, 1.5 + 0.5 * len(s)), 3.6)
         plot_samples(run, 0, ax=fig.subplots(), tokenizer=tok)
         self._show(self.plot, fig, "<sampled tokens plot>")
         pieces = "".join(
@@ -708,16 +463,16 @@ class PatchExplorer(_Explorer):
             return
         layer, pos = self.cell_layer.value, self.cell_pos.value
         j, p = res.layers.index(layer), res.positions.index(pos)
-        fig = _figure(max(6.0, 2.5 + 0.6 * len(res.positions)), max(3.0, 1.8 + 0.42 * len(res.layers)))
+        fig = figure(max(6.0, 2.5 + 0.6 * len(res.positions)), max(3.0, 1.8 + 0.42 * len(res.layers)))
         ax = fig.subplots()
         res.plot(ax=ax)
         ax.add_patch(_rect(p - 0.5, j - 0.5, 1.0, 1.0, lw=2.5))
         self._show(self.plot, fig, f"<patching heatmap, cell layer {layer} pos {pos}>")
         self.cell.value = (
-            f"patching {res.site} of layer {layer} at position {pos} ({_tok(res.labels[p])}): "
+            f"patching {res.site} of layer {layer} at position {pos} ({tok_html(res.labels[p])}): "
             f"effect <b>{float(res.effect[j, p]):.3f}</b> (logit diff {float(res.patched_diff[j, p]):.3f}; "
             f"clean {res.clean_diff:.3f}, corrupt {res.corrupt_diff:.3f}; 1 = clean answer "
-            f"{_tok(res.answer)} restored, 0 = no change)"
+            f"{tok_html(res.answer)} restored, 0 = no change)"
         )
 
 
@@ -744,14 +499,14 @@ class CompareView(_Explorer):
                 "CompareView takes a non-empty dict {name: Run}, e.g. {'transformers': ref, 'vllm': run}; "
                 f"got {type(runs).__name__}."
             )
-        if metric not in _METRICS:
-            raise ValueError(f"metric={metric!r} is not one of {_METRICS}.")
+        if metric not in METRICS:
+            raise ValueError(f"metric={metric!r} is not one of {METRICS}.")
         names = list(runs)
         self.runs = runs
         self.discrepancy: Discrepancy | None = None
         self.a = W.Dropdown(options=names, value=a or names[0], description="reference")
         self.b = W.Dropdown(options=names, value=b or names[min(1, len(names) - 1)], description="under test")
-        self.metric = W.Dropdown(options=list(_METRICS), value=metric, description="metric")
+        self.metric = W.Dropdown(options=list(METRICS), value=metric, description="metric")
         layers = list(runs[self.a.value].layers) or [0]
         self.layer = W.SelectionSlider(options=layers, value=layers[0], description="layer",
                                        continuous_update=False)
@@ -792,7 +547,7 @@ class CompareView(_Explorer):
         if d is None:
             return
         metric, layer = self.metric.value, self.layer.value
-        fig = _figure(8.0, 3.2)  # 10 in was clipped in JupyterLab with the file browser open
+        fig = figure(8.0, 3.2)  # 10 in was clipped in JupyterLab with the file browser open
         ax_l, ax_p = fig.subplots(1, 2)
         if len(d.resid) == 0:
             ax_l.text(0.5, 0.5, "no residual stream compared", ha="center", transform=ax_l.transAxes)
@@ -801,9 +556,9 @@ class CompareView(_Explorer):
             per_layer = d.per_layer(metric)
             table = per_position(d, metric, layer)
             _draw_metric(ax_l, per_layer.index.to_numpy(), per_layer.to_numpy(dtype=float), metric, "o-")
-            ax_l.axvline(layer, color=_HIGHLIGHT, lw=2)
+            ax_l.axvline(layer, color=HIGHLIGHT, lw=2)
             ax_l.set_xlabel("layer")
-            ax_l.set_title(f"worst {metric} per layer ({_plain(d.names[0])} vs {_plain(d.names[1])})", fontsize=9)
+            ax_l.set_title(f"worst {metric} per layer ({plain_title(d.names[0])} vs {plain_title(d.names[1])})", fontsize=9)
             worst = table.min(axis=0) if metric == "cosine" else table.max(axis=0)
             _draw_metric(ax_p, worst.index.to_numpy(), worst.to_numpy(dtype=float), metric, "s-")
             ax_p.set_xlabel("position")
@@ -862,7 +617,7 @@ class LiveGeneration(_Explorer):
         self._cells: list[list[tuple[str, float]]] = []
         self._generated: list[str] = []
         self.prompt = prompt
-        self.text = W.HTML(value=_tok(prompt))
+        self.text = W.HTML(value=tok_html(prompt))
         self.text.add_class("nnvllm-live-text")
         self.panel = W.HTML(value="")
         self.panel.add_class("nnvllm-live-panel")
@@ -898,7 +653,7 @@ class LiveGeneration(_Explorer):
         try:
             for step in self.stream:
                 self.steps.append(step)
-                self.text.value = _tok(self.prompt) + f"<b>{_tok(step.text[0])}</b>"
+                self.text.value = tok_html(self.prompt) + f"<b>{tok_html(step.text[0])}</b>"
                 if step.tokens[0]:
                     self._generated.append(decode(step.tokens[0][-1]))
                     if step.lens_ids is not None:

@@ -496,11 +496,12 @@ def test_run_save_load_round_trip(tmp_path):
 
 
 def test_pure_modules_import_no_engine():
-    """lens/compare/patching/plotting import neither an engine nor transformers, even lazily."""
+    """The pure modules (lens, compare, patching, plotting, views, ...) import neither an engine,
+    transformers nor ipywidgets, even lazily."""
     import ast
     import importlib
 
-    for name in ("lens", "compare", "patching", "plotting", "results", "store", "_validate"):
+    for name in ("lens", "compare", "patching", "plotting", "results", "store", "_validate", "views"):
         path = importlib.import_module(f"nnvllm.{name}").__file__
         tree = ast.parse(Path(path).read_text(encoding="utf-8"))
         mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -575,7 +576,7 @@ def test_names_with_mathtext_characters_plot_and_tables_read_right():
     # the per-position cosine table printed 1.000000000 everywhere and NaN for shorter requests.
     import matplotlib.pyplot as plt
 
-    from nnvllm.widgets import per_position, position_table_html
+    from nnvllm.views import per_position, position_table_html
 
     a = make_run()
     b = copy.deepcopy(a)

@@ -1,6 +1,6 @@
 """Widgets, tested through their state: set a control's ``.value``, click a button, read the result.
 
-The pure helpers run on synthetic tensors; the explorers run on the real toy engine (module-scoped
+The pure views (nnvllm.views) run on synthetic tensors; the explorers run on the real toy engine (module-scoped
 ``toy`` fixture). The one real-browser check of a widget is tests/test_browser.py.
 """
 
@@ -14,23 +14,17 @@ import torch
 
 import nnvllm as nv
 from nnvllm.lens import Lens, Norm, Unembed
-from nnvllm.patching import PatchResult, normalized_effect
-from nnvllm.widgets import (
-    LiveGeneration,
-    live_lens_html,
-    CompareView,
-    LensExplorer,
-    PatchExplorer,
-    SamplesExplorer,
+from nnvllm.views import (
     error_html,
     lens_rows,
     lens_table_html,
-    merge_patch_results,
+    live_lens_html,
     per_position,
     step_position,
     summary_html,
     token_options,
 )
+from nnvllm.widgets import CompareView, LensExplorer, LiveGeneration, PatchExplorer, SamplesExplorer
 
 CLEAN, CORRUPT = "The capital of France is", "The capital of Italy is"
 
@@ -102,22 +96,6 @@ def test_token_options():
     assert token_options(WordTokenizer(), CLEAN) == [
         ("0: 'The'", 0), ("1: ' capital'", 1), ("2: ' of'", 2), ("3: ' France'", 3), ("4: ' is'", 4)]
 
-
-def _part(layers, diff, clean=2.0, corrupt=-1.0, positions=(3, 4)):
-    diff = torch.tensor(diff, dtype=torch.float32)
-    return PatchResult(normalized_effect(diff, clean, corrupt), diff, clean, corrupt, list(layers),
-                       list(positions), [" France", " is"][: len(positions)], "resid", " Paris", " Rome")
-
-
-def test_merge_patch_results():
-    merged = merge_patch_results([_part([0], [[2.0, -1.0]]), _part([1, 2], [[0.5, 2.0], [-1.0, 2.0]])])
-    assert merged.layers == [0, 1, 2] and merged.positions == [3, 4]
-    assert torch.allclose(merged.effect, torch.tensor([[1.0, 0.0], [0.5, 1.0], [0.0, 1.0]]))
-    assert merged.best() == (0, 3, 1.0)
-    with pytest.raises(ValueError, match="same positions"):
-        merge_patch_results([_part([0], [[1.0, 1.0]]), _part([1], [[1.0]], positions=(4,))])
-    with pytest.raises(ValueError, match="at least one"):
-        merge_patch_results([])
 
 
 def _run(perturb=0.0, prompts=("a", "b")):
