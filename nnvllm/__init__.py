@@ -3,7 +3,8 @@
 The public verbs, one hop from here:
 
 - :func:`load` (``engine.py``) — a vLLM engine through nnsight, on GPU or CPU, in-process or isolated
-  in its own process (``isolated.py``, ``server.py``); :func:`engines` lists the live ones.
+  in its own process (``isolated.py``, ``server.py``); :func:`engines` lists the live ones. Every verb
+  reaches the engine through one contract with two transports (``transport.py``).
 - :func:`generate` (``capture.py``) — one generation: logits, samples, every layer's activations.
 - :class:`Edit` (``edits.py``) — change the model while it generates (``generate(..., edits=[...])``:
   steering, ablation, scaling, patching), the same in :func:`reference`; :func:`steering_vector`

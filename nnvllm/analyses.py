@@ -30,7 +30,7 @@ def unembedding(model) -> Unembed:
     cached = model.__dict__.get("_nnvllm_unembed")
     if cached is not None:
         return cached
-    from .capture import engine_of
+    from .transport import engine_of
 
     engine = engine_of(model)  # in-process or isolated: each TP rank's norm + unembedding slice
     parts = engine.unembed(model.arch.final_norm, model.arch.unembed)
@@ -158,7 +158,8 @@ def patch(
         >>> res = nv.patch(model, clean="The capital of France is", corrupt="The capital of Italy is",
         ...                answer=" Paris", wrong=" Rome")                          # doctest: +SKIP
     """
-    from .capture import _context_len, engine_of
+    from .capture import _context_len
+    from .transport import engine_of
 
     # Every argument is checked before the engine does any work (a bad step or token id used to
     # fail only after the clean and corrupt generations, or after every patched pass).

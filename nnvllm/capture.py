@@ -1,23 +1,22 @@
 """Capture a whole generation: every step's logits, the samples, every layer's activations.
 
 The client side. What runs in the engine (taps that survive CUDA-graph replay, per-step row
-placement, hand-off through shared memory) is :mod:`nnvllm._worker`; this module validates the
-call, arms the worker, runs the prompts as one vLLM batch, and assembles a :class:`~nnvllm.Run`
-whose per-request tensors are views of the few large buffers the worker handed over.
+placement, hand-off through shared memory) is :mod:`nnvllm._worker`; how a call reaches the engine
+(in-process or isolated) is :mod:`nnvllm.transport`. This module validates the call, hands it to the
+model's transport, and assembles a :class:`~nnvllm.Run` whose per-request tensors are views of the
+few large buffers the worker handed over. It imports neither vLLM nor nnsight.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import threading
 import time
 from typing import Sequence
 
 import torch
 
 from . import _validate
+from .transport import CLIENT_TIMINGS, PROMPT_TAG, engine_of
 from .results import Run, Samples
 
 __all__ = ["generate"]
@@ -26,172 +25,6 @@ __all__ = ["generate"]
 # (rows placed, prompt chunks), which the scheduling tests read.
 _LAST_TIMINGS: dict[str, float] = {}
 _LAST_STATS: dict[str, int] = {}
-# Where the last generate's time went on the client side (benchmarks): the arm RPC, the engine's
-# generate, the collect RPC (hand-off included), then assembling the Run (``client_*`` in _LAST_TIMINGS).
-_CLIENT_TIMINGS: dict[str, float] = {}
-
-# ---------------------------------------------------------------- the engine adapter
-# generate() and unembedding() reach the engine through one of these: in-process it is vLLM's
-# synchronous LLM in this process; an isolated engine (nnvllm.isolated) provides its own adapter
-# with the same three methods, which do the same over HTTP. Everything else stays client side.
-
-
-def plain_output(out) -> dict:
-    """A vLLM ``RequestOutput`` as the plain dict a ``Run`` is assembled from (both engine kinds)."""
-    gen = out.outputs[0]
-    return {"request_id": str(out.request_id), "prompt_token_ids": list(out.prompt_token_ids),
-            "token_ids": list(gen.token_ids), "text": gen.text, "finished": bool(out.finished)}
-
-
-def _no_raw_prompt_warning() -> None:
-    """``LLMEngine.add_request`` with a str prompt (what ``LLM.generate`` takes) warns on newer vLLM
-    that raw prompts are deprecated; the stream passes what generate passes: keep it off the page."""
-    import logging
-
-    class _Drop(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return "Passing raw prompts" not in record.getMessage()
-
-    log = logging.getLogger("vllm.v1.engine.input_processor")
-    if not any(isinstance(f, _Drop) or type(f).__name__ == "_Drop" for f in log.filters):
-        log.addFilter(_Drop())
-
-
-PROMPT_TAG = "nnvllm_prompt"  # SamplingParams.extra_args key: the request's prompt index (per-prompt edits)
-
-
-def sampling_params(params: dict | list[dict]):
-    """vLLM ``SamplingParams`` from ``generate``'s plain params: one for all prompts, or one per prompt."""
-    from vllm import SamplingParams
-
-    return [SamplingParams(**p) for p in params] if isinstance(params, list) else SamplingParams(**params)
-
-
-class InProcessEngine:
-    """The engine in this process (``model.llm``), called directly."""
-
-    def __init__(self, model) -> None:
-        llm = model.llm
-        if llm is None:
-            raise RuntimeError("this model was closed; load it again with nv.load(...)")
-        self.llm = llm
-
-    def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
-        """Arm the worker, generate, collect: (plain outputs, the worker's hand-off)."""
-        t0 = time.perf_counter()
-        self.llm.collective_rpc("nnvllm_arm", args=(spec,))
-        t1 = time.perf_counter()
-        try:
-            with interruptible(self.llm):
-                outputs = [plain_output(o) for o in self.llm.generate(prompts, sampling_params(params), use_tqdm=False)]
-        except BaseException:
-            self.llm.collective_rpc("nnvllm_disarm")
-            raise
-        t2 = time.perf_counter()
-        tokens = {o["request_id"]: o["token_ids"] for o in outputs}
-        handoff = self.llm.collective_rpc("nnvllm_collect", args=(tokens, os.getpid()))[0]
-        _CLIENT_TIMINGS.update(arm=t1 - t0, generate=t2 - t1, collect=time.perf_counter() - t2)
-        return outputs, handoff
-
-    def stream(self, prompts: list[str], params, spec: dict, stop: threading.Event):
-        """:meth:`capture`, step by step: yields ``("step", outputs so far, peek)`` after each engine
-        step (``peek``: the worker's new rows, ``CaptureWorker.nnvllm_peek``), then ``("done",
-        outputs, hand-off)``. ``stop`` set: the requests are aborted (once each has begun) and the
-        call ends with what was produced. Closing the generator early aborts and disarms."""
-        import uuid
-
-        _no_raw_prompt_warning()
-        eng = self.llm.llm_engine
-        sps = sampling_params(params)
-        sps = sps if isinstance(sps, list) else [sps] * len(prompts)
-        ids = [f"nvstream{uuid.uuid4().hex}" for _ in prompts]  # external ids (no "-": see _assemble)
-        latest: dict[str, dict] = {}
-        finished: set[str] = set()
-        self.llm.collective_rpc("nnvllm_arm", args=(spec,))
-        armed = True
-        try:
-            for rid, prompt, sp in zip(ids, prompts, sps):
-                eng.add_request(rid, prompt, sp)
-            while eng.has_unfinished_requests():
-                for o in eng.step():
-                    latest[o.request_id] = plain_output(o)
-                    if o.finished:
-                        finished.add(o.request_id)
-                peek = self.llm.collective_rpc("nnvllm_peek")[0]
-                yield "step", [latest.get(r) for r in ids], peek
-                if stop.is_set() and len(latest) == len(ids):
-                    eng.abort_request([r for r in ids if r not in finished])
-                    break
-            outputs = [latest[r] for r in ids]
-            tokens = {o["request_id"]: o["token_ids"] for o in outputs}
-            armed = False
-            handoff = self.llm.collective_rpc("nnvllm_collect", args=(tokens, os.getpid()))[0]
-            yield "done", outputs, handoff
-        finally:
-            if armed:  # an error, or the consumer stopped iterating: leave the engine clean
-                with contextlib.suppress(Exception):
-                    eng.abort_request([r for r in ids if r not in finished])
-                    while eng.has_unfinished_requests():
-                        eng.step()
-                with contextlib.suppress(Exception):
-                    self.llm.collective_rpc("nnvllm_disarm")
-
-    def unembed(self, final_norm: str, unembed: str) -> list[dict]:
-        """Each TP rank's final norm and unembedding slice (see ``CaptureWorker.nnvllm_unembed``)."""
-        import pickle
-
-        return [pickle.loads(b) for b in self.llm.collective_rpc("nnvllm_unembed", args=(final_norm, unembed))]
-
-    def info(self) -> dict:
-        eng = self.llm.llm_engine
-        return {"dtype": str(eng.model_config.dtype), "vocab_size": eng.model_config.get_vocab_size(),
-                "tp": eng.vllm_config.parallel_config.tensor_parallel_size}
-
-
-@contextlib.contextmanager
-def interruptible(llm):
-    """Let Ctrl-C (a notebook's stop button) end a generation between engine steps, cleanly.
-
-    An in-process engine steps in this thread; an interrupt landing inside a step left its requests
-    in vLLM's scheduler and the next call spun forever. While this is active, the first SIGINT only
-    sets a flag; before its next step the engine aborts every unfinished request and
-    ``KeyboardInterrupt`` is raised, so the engine is ready for the next call. A second SIGINT
-    interrupts at once (for a step that never returns).
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    eng = llm.llm_engine
-    asked = threading.Event()
-    real_step = eng.step
-
-    def on_sigint(signum, frame):
-        if asked.is_set():
-            raise KeyboardInterrupt
-        asked.set()
-
-    def step(*args, **kwargs):
-        if asked.is_set():
-            pending = list(getattr(eng.output_processor, "request_states", {}))
-            if pending:
-                eng.abort_request(pending, internal=True)
-            raise KeyboardInterrupt("generation interrupted; its requests were aborted and the engine is ready")
-        return real_step(*args, **kwargs)
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    eng.step = step
-    try:
-        yield
-    finally:
-        del eng.step  # the instance attribute; the class's step is back
-        signal.signal(signal.SIGINT, previous)
-
-
-def engine_of(model):
-    """The adapter ``generate``/``unembedding`` call: the model's own (isolated) or in-process."""
-    own = getattr(type(model), "_engine_adapter", None)
-    return own(model) if own is not None else InProcessEngine(model)
-
 
 # ---------------------------------------------------------------- client side
 
@@ -276,14 +109,14 @@ def generate(
         (' Paris.', torch.Size([6, 6, 64]))
     """
     t0 = time.perf_counter()
-    _CLIENT_TIMINGS.clear()
+    CLIENT_TIMINGS.clear()
     req = _request(model, prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                    layers=layers, logits=logits, top_k=top_k, sites=sites, ignore_eos=ignore_eos, edits=edits)
     t1 = time.perf_counter()
     outputs, handoff = req.engine.capture(req.prompts, req.params, req.spec)
     t2 = time.perf_counter()
     run = _assemble(model, req, outputs, handoff)
-    _LAST_TIMINGS.update({f"client_{k}": v for k, v in _CLIENT_TIMINGS.items()})
+    _LAST_TIMINGS.update({f"client_{k}": v for k, v in CLIENT_TIMINGS.items()})
     _LAST_TIMINGS.update(client_request=t1 - t0, client_capture=t2 - t1, client_assemble=time.perf_counter() - t2)
     return run
 

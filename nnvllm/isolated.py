@@ -11,7 +11,7 @@ kernel that dies without closing (43 GB of an H200 stayed held, docs/engines.md)
   after the build), so ``with model.trace(...)`` is written exactly as in-process and runs on the
   engine through nnsight's serve protocol, over ONE kept-alive HTTP client for the session;
 - reaches nnvllm's capture and unembedding through :class:`RemoteEngine` (the same three calls as
-  :class:`nnvllm.capture.InProcessEngine`), so :func:`nnvllm.generate`, :func:`nnvllm.logit_lens`
+  :class:`nnvllm.transport.InProcessEngine`), so :func:`nnvllm.generate`, :func:`nnvllm.logit_lens`
   and :func:`nnvllm.patch` work unchanged;
 - ends the whole process group on ``close()``, ``with``-exit, interpreter exit (``atexit``) and, via
   the server's parent watch, when this process is killed (a kernel shut down or restarted);
@@ -313,7 +313,7 @@ def _serve_backend_class():
 
 
 class RemoteEngine:
-    """An isolated model's engine adapter: :class:`nnvllm.capture.InProcessEngine`'s calls, over HTTP."""
+    """An isolated model's engine adapter: :class:`nnvllm.transport.InProcessEngine`'s calls, over HTTP."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -322,14 +322,14 @@ class RemoteEngine:
     def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
         import torch
 
-        from .capture import _CLIENT_TIMINGS
+        from .transport import CLIENT_TIMINGS
 
         t0 = time.perf_counter()
         buf = io.BytesIO()
         torch.save({"prompts": prompts, "params": params, "spec": spec}, buf)
         r = self.conn.request("POST", "/v1/nnvllm/generate", content=buf.getvalue(),
                               headers={"Content-Type": "application/octet-stream"})
-        _CLIENT_TIMINGS.update(http=time.perf_counter() - t0)
+        CLIENT_TIMINGS.update(http=time.perf_counter() - t0)
         # Plain data only (ids, text, file names of the shared-memory hand-off): never unpickle.
         res = torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=True)
         if res.get("error"):
@@ -339,7 +339,7 @@ class RemoteEngine:
         return res["outputs"], res["handoff"]
 
     def stream(self, prompts: list[str], params, spec: dict, stop: threading.Event):
-        """:meth:`nnvllm.capture.InProcessEngine.stream` over HTTP: the server streams frames
+        """:meth:`nnvllm.transport.InProcessEngine.stream` over HTTP: the server streams frames
         (``/v1/nnvllm/stream``); ``stop`` set sends ``/v1/nnvllm/stream/stop`` once."""
         import struct
         import uuid

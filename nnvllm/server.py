@@ -48,6 +48,7 @@ from typing import Any
 __all__ = ["ENGINE_DIED", "TOKEN_ENV", "TOKEN_HEADER", "main"]
 
 from ._procs import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER  # (stdlib-only at import)
+from .transport import ARM, COLLECT, DISARM, PEEK, UNEMBED, StreamBook, collect_tokens, plain_output, sampling_params  # (stdlib-only at import)
 
 
 def _torch_payload(obj: Any):
@@ -83,16 +84,6 @@ async def _rpc(engine, method: str, args: tuple = ()):
         if _dead(engine):
             task.cancel()
             raise RuntimeError(f"the engine core died during {method}")
-
-
-def _per_prompt_params(req: dict, output_kind) -> list:
-    """One vLLM ``SamplingParams`` per prompt from a capture request's plain params (one dict for
-    all prompts, or one per prompt: per-prompt edits tag each request with its index)."""
-    from vllm import SamplingParams
-
-    given = req["params"]
-    per = given if isinstance(given, list) else [given] * len(req["prompts"])
-    return [SamplingParams(**p, output_kind=output_kind) for p in per]
 
 
 def _merge_saves(mediators: list, per_request: list[dict]) -> dict:
@@ -209,14 +200,12 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         import torch
         from vllm.sampling_params import RequestOutputKind
 
-        from .capture import plain_output
-
         model_ = serve._ready()
         req = torch.load(io.BytesIO(await request.body()), weights_only=True)
         engine = model_.vllm_entrypoint
         try:
             # Final outputs only: a per-step output per request costs Python per request x step.
-            params = _per_prompt_params(req, RequestOutputKind.FINAL_ONLY)
+            params = sampling_params(req["params"], len(req["prompts"]), RequestOutputKind.FINAL_ONLY)
         except (TypeError, ValueError) as e:
             return _torch_payload({"error": (type(e).__name__, str(e))})
 
@@ -229,18 +218,17 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         ids = [uuid.uuid4().hex for _ in req["prompts"]]
         async with capture_lock:
             try:
-                await _rpc(engine, "nnvllm_arm", (req["spec"],))
+                await _rpc(engine, ARM, (req["spec"],))
                 try:
                     outputs = await asyncio.gather(*(one(p, sp, i) for p, sp, i in zip(req["prompts"], params, ids)))
                 except BaseException:
-                    await _rpc(engine, "nnvllm_disarm")
+                    await _rpc(engine, DISARM)
                     raise
                 finally:
                     # What nnsight's engine does for every finished request: wind up the workers an
                     # installed edit (model.edit) ran on them. One call for all, not one per request.
                     await _rpc(engine, "collect_nnsight", (ids, ids))
-                tokens = {o["request_id"]: o["token_ids"] for o in outputs}
-                handoff = (await _rpc(engine, "nnvllm_collect", (tokens, None)))[0]
+                handoff = (await _rpc(engine, COLLECT, (collect_tokens(outputs), None)))[0]
             except Exception as e:
                 if _dead(engine):
                     return _error(503, ENGINE_DIED)
@@ -260,17 +248,15 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         from fastapi.responses import StreamingResponse
         from vllm.sampling_params import RequestOutputKind
 
-        from .capture import plain_output
-
         engine = serve._ready().vllm_entrypoint
         req = torch.load(io.BytesIO(await request.body()), weights_only=True)
-        try:
-            params = _per_prompt_params(req, RequestOutputKind.CUMULATIVE)  # every step's output
+        try:  # every step's output
+            params = sampling_params(req["params"], len(req["prompts"]), RequestOutputKind.CUMULATIVE)
         except (TypeError, ValueError) as e:
             return _torch_payload({"error": (type(e).__name__, str(e))})
         sid = str(req["stream_id"])
         stop = streams[sid] = asyncio.Event()
-        ids = [uuid.uuid4().hex for _ in req["prompts"]]
+        book = StreamBook([uuid.uuid4().hex for _ in req["prompts"]])
 
         def frame(obj) -> bytes:
             buf = io.BytesIO()
@@ -290,31 +276,26 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             async with capture_lock:
                 tasks: list = []
                 armed = False
-                latest: dict[str, dict] = {}
                 try:
-                    await _rpc(engine, "nnvllm_arm", (req["spec"],))
+                    await _rpc(engine, ARM, (req["spec"],))
                     armed = True
-                    tasks = [asyncio.ensure_future(one(p, sp, i)) for p, sp, i in zip(req["prompts"], params, ids)]
-                    running, aborted = len(tasks), False
+                    tasks = [asyncio.ensure_future(one(p, sp, i)) for p, sp, i in zip(req["prompts"], params, book.ids)]
+                    running = len(tasks)
                     while running:
                         items = [await queue.get()]
                         while not queue.empty():
                             items.append(queue.get_nowait())
-                        for it in items:
-                            if isinstance(it, str):
-                                running -= 1
-                            else:
-                                latest[it["request_id"]] = it
-                        peek = (await _rpc(engine, "nnvllm_peek"))[0]
-                        yield frame({"outputs": [latest.get(i) for i in ids], "peek": peek})
-                        if stop.is_set() and not aborted and len(latest) == len(ids):
-                            aborted = True
-                            await engine.abort([i for i in ids if not latest[i]["finished"]])
+                        running -= sum(isinstance(it, str) for it in items)
+                        book.update(it for it in items if not isinstance(it, str))
+                        peek = (await _rpc(engine, PEEK))[0]
+                        yield frame({"outputs": book.snapshot(), "peek": peek})
+                        abort = book.stop(stop.is_set())
+                        if abort:  # the requests end (aborted) and the loop drains them
+                            await engine.abort(abort)
                     await asyncio.gather(*tasks, return_exceptions=True)
-                    outputs = [latest[i] for i in ids]
-                    tokens = {o["request_id"]: o["token_ids"] for o in outputs}
+                    outputs = book.outputs()
                     armed = False
-                    handoff = (await _rpc(engine, "nnvllm_collect", (tokens, None)))[0]
+                    handoff = (await _rpc(engine, COLLECT, (collect_tokens(outputs), None)))[0]
                     yield frame({"outputs": outputs, "handoff": handoff})
                 except Exception as e:  # noqa: BLE001
                     yield frame({"error": (type(e).__name__, ENGINE_DIED if _dead(engine) else str(e))})
@@ -324,8 +305,8 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                         t.cancel()
                     if armed and not _dead(engine):
                         with contextlib.suppress(Exception):
-                            await engine.abort(ids)
-                            await _rpc(engine, "nnvllm_disarm")
+                            await engine.abort(book.ids)
+                            await _rpc(engine, DISARM)
 
         return StreamingResponse(frames(), media_type="application/octet-stream")
 
@@ -339,7 +320,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         body = await request.json()
         engine = serve._ready().vllm_entrypoint
         try:
-            parts = await _rpc(engine, "nnvllm_unembed", (body["final_norm"], body["unembed"]))
+            parts = await _rpc(engine, UNEMBED, (body["final_norm"], body["unembed"]))
         except Exception as e:
             if _dead(engine):
                 return _error(503, ENGINE_DIED)

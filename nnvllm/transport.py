@@ -1,0 +1,235 @@
+"""The engine contract: the four calls nnvllm's verbs make of an engine, and its in-process transport.
+
+:func:`nnvllm.generate`, :func:`nnvllm.stream`, :func:`nnvllm.logit_lens` and :func:`nnvllm.patch`
+reach the engine only through an object with these methods (:func:`engine_of` gives the model's):
+
+- ``capture(prompts, params, spec)`` — arm the worker (:mod:`nnvllm._worker`), generate the prompts as
+  one vLLM batch, collect: ``(plain outputs, the worker's hand-off)``;
+- ``stream(prompts, params, spec, stop)`` — the same, yielding ``("step", outputs so far, peek)``
+  after each engine step, then ``("done", outputs, hand-off)``;
+- ``unembed(final_norm, unembed)`` — each TP rank's final norm and unembedding slice;
+- ``info()`` — dtype, vocabulary size, TP size.
+
+Two transports implement it and differ only in how calls and bytes travel: :class:`InProcessEngine`
+(here: vLLM's ``LLM`` in this process, called directly) and :class:`nnvllm.isolated.RemoteEngine`
+(HTTP to ``python -m nnvllm.server``, whose endpoints drive vLLM's ``AsyncLLM`` in that process).
+What a capture *is* — the worker RPCs and their order, the per-prompt ``SamplingParams``, a vLLM
+output as plain data, a stream's bookkeeping (:class:`StreamBook`) — is defined once, here, and
+used by both. The activations never travel through either: the worker hands them over in shared
+memory and the hand-off names the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+__all__ = ["PROMPT_TAG", "InProcessEngine", "StreamBook", "engine_of", "plain_output", "sampling_params"]
+
+# Where the last capture's client-side time went (benchmarks): the arm RPC, the engine's generate,
+# the collect RPC (hand-off included); isolated: the HTTP call. generate() reports them as client_*.
+CLIENT_TIMINGS: dict[str, float] = {}
+
+PROMPT_TAG = "nnvllm_prompt"  # SamplingParams.extra_args key: the request's prompt index (per-prompt edits)
+
+# The worker's RPC methods (nnvllm._worker.CaptureWorker), in the order a capture calls them.
+ARM, PEEK, COLLECT, DISARM = "nnvllm_arm", "nnvllm_peek", "nnvllm_collect", "nnvllm_disarm"
+UNEMBED = "nnvllm_unembed"  # each TP rank's final norm and unembedding slice
+
+
+def plain_output(out) -> dict:
+    """A vLLM ``RequestOutput`` as the plain dict a ``Run`` is assembled from (both transports)."""
+    gen = out.outputs[0]
+    return {"request_id": str(out.request_id), "prompt_token_ids": list(out.prompt_token_ids),
+            "token_ids": list(gen.token_ids), "text": gen.text, "finished": bool(out.finished)}
+
+
+def collect_tokens(outputs: list[dict]) -> dict[str, list[int]]:
+    """The worker's ``nnvllm_collect`` argument: each request's generated ids, by request id."""
+    return {o["request_id"]: o["token_ids"] for o in outputs}
+
+
+def sampling_params(params: dict | list[dict], n: int | None = None, output_kind=None):
+    """vLLM ``SamplingParams`` from ``generate``'s plain params: one for all prompts (a dict, ``n``
+    None), or one per prompt (a list of dicts, or a dict and ``n``: per-prompt edits tag each request
+    with its index, :data:`PROMPT_TAG`). ``output_kind``: vLLM's ``RequestOutputKind`` (server)."""
+    from vllm import SamplingParams
+
+    kw = {} if output_kind is None else {"output_kind": output_kind}
+    if isinstance(params, list):
+        return [SamplingParams(**p, **kw) for p in params]
+    if n is None:
+        return SamplingParams(**params, **kw)
+    return [SamplingParams(**params, **kw) for _ in range(n)]
+
+
+class StreamBook:
+    """One streamed capture's bookkeeping, the same on both transports: the latest output of each
+    request, when a stop may abort (once every request has begun: an abort before a request reached
+    the engine would be lost), and the outputs the final collect gets."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.ids = list(ids)
+        self.latest: dict[str, dict] = {}
+        self.stopped = False
+
+    def update(self, outputs) -> None:
+        """Record plain outputs (:func:`plain_output`) as they come."""
+        for o in outputs:
+            self.latest[o["request_id"]] = o
+
+    def snapshot(self) -> list[dict | None]:
+        """Each request's latest output, in prompt order (None before its first)."""
+        return [self.latest.get(i) for i in self.ids]
+
+    def unfinished(self) -> list[str]:
+        return [i for i in self.ids if not (i in self.latest and self.latest[i]["finished"])]
+
+    def stop(self, asked: bool) -> list[str] | None:
+        """None to go on; else (once, when a stop was ``asked`` and every request has begun) the ids
+        to abort, possibly none: the stream ends with what was produced."""
+        if not asked or self.stopped or len(self.latest) < len(self.ids):
+            return None
+        self.stopped = True
+        return self.unfinished()
+
+    def outputs(self) -> list[dict]:
+        """The final outputs, in prompt order."""
+        return [self.latest[i] for i in self.ids]
+
+
+def _no_raw_prompt_warning() -> None:
+    """``LLMEngine.add_request`` with a str prompt (what ``LLM.generate`` takes) warns on newer vLLM
+    that raw prompts are deprecated; the stream passes what generate passes: keep it off the page."""
+    import logging
+
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "Passing raw prompts" not in record.getMessage()
+
+    log = logging.getLogger("vllm.v1.engine.input_processor")
+    if not any(isinstance(f, _Drop) or type(f).__name__ == "_Drop" for f in log.filters):
+        log.addFilter(_Drop())
+
+
+class InProcessEngine:
+    """The engine in this process (``model.llm``), called directly."""
+
+    def __init__(self, model) -> None:
+        llm = model.llm
+        if llm is None:
+            raise RuntimeError("this model was closed; load it again with nv.load(...)")
+        self.llm = llm
+
+    def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
+        """Arm the worker, generate, collect: (plain outputs, the worker's hand-off)."""
+        t0 = time.perf_counter()
+        self.llm.collective_rpc(ARM, args=(spec,))
+        t1 = time.perf_counter()
+        try:
+            with interruptible(self.llm):
+                outputs = [plain_output(o) for o in self.llm.generate(prompts, sampling_params(params), use_tqdm=False)]
+        except BaseException:
+            self.llm.collective_rpc(DISARM)
+            raise
+        t2 = time.perf_counter()
+        handoff = self.llm.collective_rpc(COLLECT, args=(collect_tokens(outputs), os.getpid()))[0]
+        CLIENT_TIMINGS.update(arm=t1 - t0, generate=t2 - t1, collect=time.perf_counter() - t2)
+        return outputs, handoff
+
+    def stream(self, prompts: list[str], params, spec: dict, stop: threading.Event):
+        """:meth:`capture`, step by step: yields ``("step", outputs so far, peek)`` after each engine
+        step (``peek``: the worker's new rows, ``CaptureWorker.nnvllm_peek``), then ``("done",
+        outputs, hand-off)``. ``stop`` set: the requests are aborted (once each has begun) and the
+        call ends with what was produced. Closing the generator early aborts and disarms."""
+        import uuid
+
+        _no_raw_prompt_warning()
+        eng = self.llm.llm_engine
+        sps = sampling_params(params, len(prompts))
+        book = StreamBook([f"nvstream{uuid.uuid4().hex}" for _ in prompts])  # external ids (no "-": see _assemble)
+        self.llm.collective_rpc(ARM, args=(spec,))
+        armed = True
+        try:
+            for rid, prompt, sp in zip(book.ids, prompts, sps):
+                eng.add_request(rid, prompt, sp)
+            while eng.has_unfinished_requests():
+                book.update(plain_output(o) for o in eng.step())
+                peek = self.llm.collective_rpc(PEEK)[0]
+                yield "step", book.snapshot(), peek
+                abort = book.stop(stop.is_set())
+                if abort is not None:
+                    eng.abort_request(abort)
+                    break
+            outputs = book.outputs()
+            armed = False
+            handoff = self.llm.collective_rpc(COLLECT, args=(collect_tokens(outputs), os.getpid()))[0]
+            yield "done", outputs, handoff
+        finally:
+            if armed:  # an error, or the consumer stopped iterating: leave the engine clean
+                with contextlib.suppress(Exception):
+                    eng.abort_request(book.unfinished())
+                    while eng.has_unfinished_requests():
+                        eng.step()
+                with contextlib.suppress(Exception):
+                    self.llm.collective_rpc(DISARM)
+
+    def unembed(self, final_norm: str, unembed: str) -> list[dict]:
+        """Each TP rank's final norm and unembedding slice (see ``CaptureWorker.nnvllm_unembed``)."""
+        import pickle
+
+        return [pickle.loads(b) for b in self.llm.collective_rpc(UNEMBED, args=(final_norm, unembed))]
+
+    def info(self) -> dict:
+        eng = self.llm.llm_engine
+        return {"dtype": str(eng.model_config.dtype), "vocab_size": eng.model_config.get_vocab_size(),
+                "tp": eng.vllm_config.parallel_config.tensor_parallel_size}
+
+
+@contextlib.contextmanager
+def interruptible(llm):
+    """Let Ctrl-C (a notebook's stop button) end a generation between engine steps, cleanly.
+
+    An in-process engine steps in this thread; an interrupt landing inside a step left its requests
+    in vLLM's scheduler and the next call spun forever. While this is active, the first SIGINT only
+    sets a flag; before its next step the engine aborts every unfinished request and
+    ``KeyboardInterrupt`` is raised, so the engine is ready for the next call. A second SIGINT
+    interrupts at once (for a step that never returns).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    eng = llm.llm_engine
+    asked = threading.Event()
+    real_step = eng.step
+
+    def on_sigint(signum, frame):
+        if asked.is_set():
+            raise KeyboardInterrupt
+        asked.set()
+
+    def step(*args, **kwargs):
+        if asked.is_set():
+            pending = list(getattr(eng.output_processor, "request_states", {}))
+            if pending:
+                eng.abort_request(pending, internal=True)
+            raise KeyboardInterrupt("generation interrupted; its requests were aborted and the engine is ready")
+        return real_step(*args, **kwargs)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    eng.step = step
+    try:
+        yield
+    finally:
+        del eng.step  # the instance attribute; the class's step is back
+        signal.signal(signal.SIGINT, previous)
+
+
+def engine_of(model):
+    """The model's transport: its own (an isolated model's :class:`~nnvllm.isolated.RemoteEngine`)
+    or :class:`InProcessEngine`."""
+    own = getattr(type(model), "_engine_adapter", None)
+    return own(model) if own is not None else InProcessEngine(model)
