@@ -18,7 +18,8 @@ import os
 import re
 from dataclasses import dataclass
 
-__all__ = ["SKIP_ENV", "SUPPORTED_NNSIGHT", "SUPPORTED_VLLM", "bind_stores_to_loopback", "check_versions"]
+__all__ = ["PRIVATE_SURFACE", "SKIP_ENV", "SUPPORTED_NNSIGHT", "SUPPORTED_VLLM", "Touch", "bind_stores_to_loopback",
+           "check_versions", "missing_private_names"]
 
 SKIP_ENV = "NNVLLM_SKIP_VERSION_CHECK"
 
@@ -91,6 +92,7 @@ def check_versions(gpu: bool | None = None) -> None:
         >>> _compat.check_versions()                            # doctest: +SKIP
     """
     if os.environ.get(SKIP_ENV, "").strip() not in ("", "0"):
+        report_private_surface()  # an untested pair on purpose: at least every private name is there
         return
     import nnsight
     import vllm
@@ -184,3 +186,126 @@ def tolerant_meta_weight_processing():
         yield
     finally:
         bl.process_weights_after_loading = real
+
+
+# ---------------------------------------------------------------- the private surface, in one list
+
+
+@dataclass(frozen=True)
+class Touch:
+    """One private (or internal) name of nnsight, vLLM or torch that nnvllm relies on.
+
+    ``module`` is imported and ``name`` (dotted) looked up in it; ``set_in_init`` lists attributes a
+    class only creates in its ``__init__`` (vLLM's model runner state), checked in that source.
+    ``where`` is the nnvllm module that uses it, ``why`` what for.
+    """
+
+    module: str
+    name: str
+    where: str
+    why: str
+    set_in_init: tuple[str, ...] = ()
+
+
+#: Everything of nnsight's, vLLM's and torch's that nnvllm reaches into and that a release may move.
+#: An upgrade that moves one fails :func:`missing_private_names` by name (tests/test_compat.py), in
+#: one place, before anything else runs; with ``NNVLLM_SKIP_VERSION_CHECK=1`` ``nv.load`` reports
+#: the missing ones instead of failing somewhere inside the engine.
+PRIVATE_SURFACE: tuple[Touch, ...] = (
+    # nnsight: the client model and its load
+    Touch("nnsight.modeling.vllm", "VLLM._load_meta", "engine.py", "build the meta tree, then untie shared modules"),
+    Touch("nnsight.modeling.vllm", "VLLM._load", "engine.py", "take cuda_graphs=/exact= before nnsight sees them"),
+    Touch("nnsight.modeling.vllm", "VLLM._load_sync", "engine.py", "start vLLM's LLM with nnvllm's worker"),
+    Touch("nnsight.modeling.vllm", "VLLM._load_async", "engine.py", "start AsyncLLM with nnvllm's worker (server)"),
+    Touch("nnsight.modeling.vllm", "VLLM._WORKER_CLS", "engine.py, _cpu.py", "which worker class vLLM runs"),
+    Touch("nnsight.modeling.vllm", "VLLM._cleanup_distributed", "engine.py, isolated.py",
+          "end the client's torch.distributed state on close"),
+    Touch("nnsight.modeling.vllm", "VLLM._meta_device", "_cpu.py", "the meta build, without accelerator calls"),
+    Touch("nnsight.modeling.vllm", "VLLM._attach_mediators", "server.py", "the serve handler's invokes"),
+    Touch("nnsight.modeling.vllm.engines.engine", "NNsightLLMEngine", "engine.py", "the in-process engine class"),
+    Touch("nnsight.modeling.vllm.engines.engine", "acollect", "server.py", "collect one request's saves"),
+    Touch("nnsight.modeling.vllm.collect", "merge_shared_saves", "server.py", "merge saves across invokes"),
+    Touch("nnsight.modeling.vllm.workers.GPUWorker", "NNsightGPUWorker", "_gpu.py, _cpu_worker.py",
+          "nnsight's worker RPCs (collect_nnsight, ...)"),
+    Touch("nnsight.modeling.vllm.model_runners.GPUModelRunner", "NNsightGPUModelRunner", "_gpu.py, _cpu_worker.py",
+          "nnsight's runner, under nnvllm's recording runner"),
+    Touch("nnsight.tracing.globals", "SOURCES", "server.py", "cleared per request (stale invoke bodies)"),
+    Touch("nnsight.tracing.globals", "BLOCKS", "server.py", "cleared per request (stale invoke bodies)"),
+    Touch("nnsight.intervention.errors", "capture_exception", "server.py", "errors back to the client"),
+    Touch("nnsight.intervention.errors", "raise_deferred", "isolated.py", "re-raise the server's error"),
+    # nnsight: serving (the isolated engine)
+    Touch("nnsight.modeling.vllm.serve.server", "app", "server.py", "the FastAPI app nnvllm's routes join"),
+    Touch("nnsight.modeling.vllm.serve.server", "set_model", "server.py", "hand the app its model"),
+    Touch("nnsight.modeling.vllm.serve.server", "_ready", "server.py", "the served model, once loaded"),
+    Touch("nnsight.modeling.vllm.serve.server", "_build_tracer", "server.py", "rebuild the client's trace"),
+    Touch("nnsight.modeling.vllm.serve.server", "_payload", "server.py", "the serve reply format"),
+    Touch("nnsight.modeling.vllm.serve.cli", "_parse_vllm_args", "server.py", "engine arguments on the command line"),
+    Touch("nnsight.modeling.vllm.serve.backend", "LocalServeBackend._send", "isolated.py",
+          "send traces over the kept-alive connection"),
+    Touch("nnsight.modeling.vllm.serve.http", "headers", "isolated.py", "the serve protocol's headers"),
+    # vLLM: the model runner nnvllm's worker records in (nnvllm/_worker.py)
+    Touch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._determine_batch_execution_and_padding", "_worker.py",
+          "run a step that carries an nnsight trace eagerly (CUDA graphs stay on)",
+          set_in_init=("input_batch", "requests", "query_start_loc", "positions", "model_config",
+                       "compilation_config", "execute_model_state", "device")),
+    Touch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", "_worker.py", "the model the taps go on"),
+    Touch("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "_cpu_worker.py", "the CPU backend's runner"),
+    Touch("vllm.v1.worker.cpu_worker", "CPUWorker", "_cpu_worker.py", "the CPU backend's worker"),
+    Touch("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading", "_compat.py",
+          "skipped on the client's meta tree (tolerant_meta_weight_processing)"),
+    Touch("vllm.v1.engine.async_llm", "AsyncLLM", "engine.py, server.py", "the isolated engine"),
+    # torch
+    Touch("torch.distributed.rendezvous", "TCPStore", "_compat.py", "bind the rendezvous store to loopback"),
+)
+
+
+def missing_private_names(surface: tuple[Touch, ...] | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """The touches of :data:`PRIVATE_SURFACE` that the installed packages lack, each as one line
+    (``module:name (used by where: why)``); empty when all are there. Modules starting with a prefix
+    in ``skip`` are not imported (the serve app is only checked where it is safe to import)."""
+    import importlib
+    import inspect
+
+    missing = []
+    for t in PRIVATE_SURFACE if surface is None else surface:
+        if any(t.module.startswith(s) for s in skip):
+            continue
+        where = f"{t.module}:{t.name} (used by nnvllm/{t.where}: {t.why})"
+        try:
+            obj = importlib.import_module(t.module)
+        except Exception as e:  # noqa: BLE001
+            missing.append(f"{where}: module does not import ({type(e).__name__}: {e})")
+            continue
+        for part in t.name.split("."):
+            obj = getattr(obj, part, _MISSING)
+            if obj is _MISSING:
+                missing.append(f"{where}: no {part!r}")
+                break
+        if obj is _MISSING or not t.set_in_init:
+            continue
+        cls = importlib.import_module(t.module)
+        cls = getattr(cls, t.name.split(".")[0])
+        try:
+            src = inspect.getsource(cls.__init__)
+        except (OSError, TypeError):
+            continue
+        gone = [a for a in t.set_in_init if f"self.{a} " not in src and f"self.{a}:" not in src
+                and f"self.{a}=" not in src]
+        if gone:
+            missing.append(f"{where}: {cls.__name__}.__init__ no longer sets {gone}")
+    return missing
+
+
+_MISSING = object()
+
+
+def report_private_surface() -> None:
+    """With the version check skipped (an untested vLLM or nnsight on purpose): raise, naming every
+    private name nnvllm relies on that the installed versions lack, instead of failing inside the
+    engine. The serving modules are left to the isolated engine's own start."""
+    missing = missing_private_names(skip=("nnsight.modeling.vllm.serve",))
+    if missing:
+        raise RuntimeError(
+            "the installed vLLM/nnsight lack names nnvllm relies on (the version check was skipped with "
+            f"{SKIP_ENV}=1):\n- " + "\n- ".join(missing) + "\nInstall a supported pair (nnvllm._compat.SUPPORTED_VLLM, "
+            "SUPPORTED_NNSIGHT) or adapt the modules named above.")

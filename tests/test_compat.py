@@ -61,8 +61,11 @@ def test_both_wrong_names_both():
 
 def test_skip_variable_skips(monkeypatch):
     monkeypatch.setattr(_compat, "_check", lambda *a: (_ for _ in ()).throw(AssertionError("checked")))
+    surveyed = []
+    monkeypatch.setattr(_compat, "report_private_surface", lambda: surveyed.append(1))
     monkeypatch.setenv(_compat.SKIP_ENV, "1")
     _compat.check_versions()
+    assert surveyed == [1]  # skipped: the private names are still looked for
     monkeypatch.setenv(_compat.SKIP_ENV, "0")
     with pytest.raises(AssertionError, match="checked"):
         _compat.check_versions()
@@ -87,14 +90,33 @@ def test_importing_nnvllm_and_compat_imports_no_engine():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
 
 
-def test_the_private_names_compat_patches_still_exist():
-    """_compat wraps private names of torch and vLLM; an upgrade that moves one fails here, by name."""
-    import importlib
-
-    rdzv = importlib.import_module("torch.distributed.rendezvous")
-    assert callable(getattr(rdzv, "TCPStore", None)) and callable(getattr(rdzv, "_create_c10d_store", None))
+def test_every_private_name_nnvllm_relies_on_still_exists():
+    """PRIVATE_SURFACE lists every private name of nnsight, vLLM and torch nnvllm touches; an upgrade
+    that moves one fails here, by name and user. Run in a fresh process: the serve app is imported."""
+    code = ("from nnvllm import _compat\n"
+            "missing = _compat.missing_private_names()\n"
+            "assert not missing, '\\n'.join(missing)\n"
+            "print(len(_compat.PRIVATE_SURFACE))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) >= 30
     from torch.distributed import TCPStore
 
-    assert "master_listen_fd" in (TCPStore.__init__.__doc__ or "")  # the argument the wrapper passes
-    bl = importlib.import_module("vllm.model_executor.model_loader.base_loader")
-    assert callable(getattr(bl, "process_weights_after_loading", None))
+    assert "master_listen_fd" in (TCPStore.__init__.__doc__ or "")  # the argument bind_stores_to_loopback passes
+
+
+def test_a_moved_private_name_is_reported_by_name_and_user(monkeypatch):
+    gone = (
+        _compat.Touch("torch.distributed.rendezvous", "TCPStore", "_compat.py", "kept"),
+        _compat.Touch("torch.distributed.rendezvous", "NoSuchStore", "x.py", "a renamed class"),
+        _compat.Touch("nnvllm_no_such_module", "thing", "y.py", "a moved module"),
+        _compat.Touch("nnvllm.transport", "StreamBook", "z.py", "state set in __init__", set_in_init=("ids", "vanished")),
+    )
+    missing = _compat.missing_private_names(gone)
+    assert len(missing) == 3, missing
+    assert missing[0].startswith("torch.distributed.rendezvous:NoSuchStore (used by nnvllm/x.py: a renamed class)")
+    assert "nnvllm_no_such_module:thing" in missing[1] and "does not import" in missing[1]
+    assert missing[2].endswith("StreamBook.__init__ no longer sets ['vanished']")
+    monkeypatch.setattr(_compat, "PRIVATE_SURFACE", gone)  # what nv.load reports with the version check skipped
+    with pytest.raises(RuntimeError, match=r"(?s)lack names nnvllm relies on.*NoSuchStore.*nnvllm_no_such_module"):
+        _compat.report_private_surface()
