@@ -10,7 +10,7 @@ Two runs are compared only where they saw the same input. Once the generated tok
 
 Example::
 
-    d = compare(vllm_run, hf_run, names=("vllm", "hf"))
+    d = compare(hf_run, vllm_run, names=("hf", "vllm"))   # the reference first
     d.summary()            # worst max_abs, min cosine, max KL, agreement, forks
     d.per_layer("rel_err") # where the error grows
 """

@@ -150,7 +150,7 @@ def plot_compare(d, ax=None):
 
     Example::
 
-        plot_compare(compare(vllm_run, hf_run, names=("vllm", "hf")))
+        plot_compare(compare(hf_run, vllm_run, names=("hf", "vllm")))
     """
     import matplotlib.pyplot as plt
 
