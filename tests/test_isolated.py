@@ -425,12 +425,18 @@ def test_stream_on_an_isolated_engine(iso):
     check_steps_match_run(iso, steps, s.run)
     ref = nv.generate(iso, [CLEAN, CORRUPT], max_tokens=5, ignore_eos=True)
     assert s.run.tokens == ref.tokens and same_values(s.run.resid[1], ref.resid[1])
-    s = nv.stream(iso, [CLEAN, CORRUPT], max_tokens=40, ignore_eos=True)
-    for step in s:
-        if step.index == 1:
+    # The engine generates ahead of the client (frames queue up), so a stop can land after the last
+    # token on a fast model: up to three tries, each stopped at the first step, must cut one short.
+    for _ in range(3):
+        s = nv.stream(iso, [CLEAN, CORRUPT], max_tokens=55, ignore_eos=True)
+        for step in s:
             s.stop()
-    assert s.stopped and all(len(t) < 40 for t in s.run.tokens)
-    check_steps_match_run(iso, s.steps, s.run)
+        assert s.stopped
+        check_steps_match_run(iso, s.steps, s.run)
+        if all(len(t) < 55 for t in s.run.tokens):
+            break
+    else:
+        raise AssertionError(f"Stop never cut an isolated stream short: {[len(t) for t in s.run.tokens]} tokens")
     for step in nv.stream(iso, CLEAN, max_tokens=40, ignore_eos=True, edits=[nv.Edit.scale(0.5, layers=0)]):
         break  # the server sees the client go, aborts and disarms
     assert nv.generate(iso, [CLEAN, CORRUPT], max_tokens=5, ignore_eos=True).tokens == ref.tokens
