@@ -44,12 +44,15 @@ demo: setup
 	$(BIN)/jupyter nbconvert --to html --execute notebooks/01_logit_lens.ipynb --output-dir build/demo \
 	  --NbConvertBase.display_data_priority="['text/html','image/svg+xml','image/png','text/markdown','text/plain']"
 
-# Everything: unit + engine tests (TP=1), the seed's tests under TP=2, notebooks, browser, docs.
+# Everything: unit + engine tests (TP=1), the seed's tests and the isolated TP test under TP=2,
+# notebooks, browser, docs. JOBS pytest workers (pytest-xdist) share the TP=1 tests file by file (a
+# file's engines stay in one process) and the notebooks; the TP=2 engines already use both cores.
+JOBS ?= 2
 test: setup browser
-	$(BIN)/python -m pytest -q -ra tests/ --tp 1
-	$(BIN)/python -m pytest -q -ra tests/test_vllm.py tests/test_edits.py tests/test_stream.py --tp $(TP)
-	$(BIN)/python -m pytest -q -ra tests/test_isolated.py -m tp --tp $(TP)
-	$(BIN)/python -m pytest -q -ra --nbmake notebooks/
+	$(BIN)/python -m pytest -q -ra tests/ --tp 1 -n $(JOBS) --dist loadfile
+	$(BIN)/python -m pytest -q -ra tests/test_vllm.py tests/test_edits.py tests/test_stream.py \
+	  tests/test_isolated.py::test_tensor_parallel_isolated_engine_matches_transformers --tp $(TP)
+	$(BIN)/python -m pytest -q -ra --nbmake notebooks/ -n $(JOBS)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 
 # The GPU lane (CUDA machine): engine suite, notebooks, and with GPU_TP=2 the tensor-parallel tests; logs
