@@ -747,3 +747,24 @@ def test_the_package_import_graph_has_no_cycles():
     for start in graph:
         visit(start, [start])
     assert not found, found[:5]
+
+
+#: The engine layer (how an engine is built, reached and served) and the worker (what runs in it):
+#: the only modules that may import vLLM or nnsight, even lazily (issue 13).
+ENGINE_LAYER = {"engine", "isolated", "server", "transport", "_cpu", "_gpu", "_compat", "_worker", "_cpu_worker"}
+
+
+def test_only_the_engine_layer_and_the_worker_import_vllm_or_nnsight():
+    import ast
+
+    import nnvllm
+
+    bad = {}
+    for p in Path(nnvllm.__file__).parent.glob("*.py"):
+        tree = ast.parse(p.read_text())
+        mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        mods |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+        engine = sorted(m for m in mods if m.split(".")[0] in ("vllm", "nnsight"))
+        if engine and p.stem not in ENGINE_LAYER:
+            bad[p.stem] = engine
+    assert not bad, f"modules outside the engine layer import vLLM/nnsight: {bad}"
