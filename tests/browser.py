@@ -209,6 +209,17 @@ def chromium(*, viewport: tuple[int, int] = (1400, 1000)):
             browser.close()
 
 
+def write_notebook(path: str | os.PathLike, cells: list[str]) -> Path:
+    """A notebook of these code cells (Python 3 kernel) at ``path``, for a test to open in the lab."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
+    nbformat.write(nb, path)
+    return Path(path)
+
+
 def open_notebook(context, lab: Lab, path: str, *, kernel_timeout: float = 90.0):
     """Open ``path`` (relative to the lab's root) in a new page; return it once the kernel is idle.
 

@@ -101,16 +101,7 @@ box""",
 @pytest.mark.browser
 def test_harness_on_widget_notebook(needs_browser, tmp_path):
     """Self-test of tests/browser.py on a tiny notebook with the same widget classes."""
-    import nbformat
-
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3 (ipykernel)",
-        "language": "python",
-    }
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in HARNESS_CELLS]
-    nbformat.write(nb, tmp_path / "harness.ipynb")
+    browser.write_notebook(tmp_path / "harness.ipynb", HARNESS_CELLS)
     seen = _drive(tmp_path, "harness.ipynb", ARTIFACTS / "harness_notebook.png")
     assert seen["changed"], "plot did not redraw after ArrowRight on the slider"
     assert (seen["before_value"], seen["after_value"]) == ("0", "1")
@@ -142,12 +133,7 @@ w""",
 def test_two_engines_in_one_kernel_in_browser(needs_browser, tmp_path):
     """Issue 14: a notebook cell sequence with two engines in one kernel (in-process, then isolated),
     run from JupyterLab: both answer, closing the first leaves the second working, none is left."""
-    import nbformat
-
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in TWO_ENGINE_CELLS]
-    nbformat.write(nb, tmp_path / "two_engines.ipynb")
+    browser.write_notebook(tmp_path / "two_engines.ipynb", TWO_ENGINE_CELLS)
     with browser.jupyterlab(tmp_path) as lab, browser.chromium() as ctx:
         page = browser.open_notebook(ctx, lab, "two_engines.ipynb")
         browser.run_all(page, timeout=420)
@@ -176,12 +162,7 @@ def test_live_generation_in_browser(needs_browser, tmp_path):
     the generation early with what was produced."""
     import re
 
-    import nbformat
-
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell(src) for src in LIVE_CELLS]
-    nbformat.write(nb, tmp_path / "live.ipynb")
+    browser.write_notebook(tmp_path / "live.ipynb", LIVE_CELLS)
     with browser.jupyterlab(tmp_path) as lab, browser.chromium() as ctx:
         page = browser.open_notebook(ctx, lab, "live.ipynb")
         browser.run_all(page, timeout=300)
