@@ -140,7 +140,7 @@ class _Taps:
             ids = r.input_batch.req_ids[:nreq]
             plen = np.array([_prompt_len(r.requests[i]) for i in ids], dtype=np.int64)
             row_plen = torch.from_numpy(np.repeat(plen, np.diff(qsl))).to(device)
-            # the prompt index generate() tags each request with (capture.PROMPT_TAG), for per-prompt edits
+            # the prompt index generate() tags each request with (transport.PROMPT_TAG), for per-prompt edits
             tag = np.array([(r.requests[i].sampling_params.extra_args or {}).get("nnvllm_prompt", -1) for i in ids],
                            dtype=np.int64)
             which = torch.full((n,), -1, dtype=torch.int64, device=device)
