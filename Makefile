@@ -46,7 +46,8 @@ demo: setup
 
 # Everything: unit + engine tests (TP=1), the seed's tests and the isolated TP test under TP=2,
 # notebooks, browser, docs. JOBS pytest workers (pytest-xdist) share the TP=1 tests file by file (a
-# file's engines stay in one process) and the notebooks; the TP=2 engines already use both cores.
+# file's engines stay in one process; test_families.py's families go one by one, tests/conftest.py) and the
+# notebooks; the TP=2 engines already use both cores.
 JOBS ?= 2
 test: setup browser
 	$(BIN)/python -m pytest -q -ra tests/ --tp 1 -n $(JOBS) --dist loadfile

@@ -39,6 +39,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
 
 
+# Test files whose parametrized cases each start an engine of their own: under pytest-xdist's
+# --dist loadfile (make test, the GPU lane) each case is a unit of its own, so the cases spread over
+# the workers (test_families.py: eleven families at ~40 s per engine start on a shared H200 kept one
+# worker busy past the GPU lane's time limit). Every other file stays whole on one worker, where its
+# tests share the file's module-scoped engines.
+SPLIT_BY_CASE = ("tests/test_families.py",)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndCases(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            if file.endswith(SPLIT_BY_CASE) and nodeid.endswith("]"):
+                return file + "[" + nodeid.rsplit("[", 1)[1]
+            return super()._split_scope(nodeid)
+
+    return FilesAndCases(config, log)
+
+
 @pytest.fixture(scope="session")
 def toy_path() -> str:
     import nnvllm as nv
