@@ -98,14 +98,21 @@ def prompts(n: int) -> list[str]:
     return [" ".join(f"t{(7 * i + j) % 8000 + 1}" for j in range(PROMPT_LEN)) for i in range(n)]
 
 
-def _timed(fn, repeats: int) -> dict:
+def _timed(fn, repeats: int, snap=None) -> dict:
+    """Warm-up on the full batch, then ``repeats`` timed calls: their median, every time, and (with
+    ``snap``) what ``snap()`` returns after each call (nnvllm's per-call worker and client timings)."""
     fn()  # warm-up on the full batch
-    ts = []
+    ts, per_call = [], []
     for _ in range(repeats):
         t = time.perf_counter()
         fn()
         ts.append(time.perf_counter() - t)
-    return {"median": statistics.median(ts), "all": ts}
+        if snap is not None:
+            per_call.append(snap())
+    out = {"median": statistics.median(ts), "all": ts}
+    if snap is not None:
+        out["per_call"] = per_call
+    return out
 
 
 def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: dict) -> dict:
@@ -146,8 +153,9 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         if not name.startswith("nv_isolated") and not mode:
             sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
             res[name + "_bare"] = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), repeats)
-        res[name] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True), repeats)
-        res[name + "_worker_timings"] = dict(capture._LAST_TIMINGS)
+        res[name] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True), repeats,
+                           snap=lambda: dict(capture._LAST_TIMINGS))
+        res[name + "_worker_timings"] = dict(capture._LAST_TIMINGS)  # the last call's
         run = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True)
         assert run.resid[0].shape == (L, PROMPT_LEN + T - 1, SHAPES[shape]["d"]), run.resid[0].shape
         if extra.get("save"):
@@ -288,6 +296,10 @@ def main() -> None:
             if lines:
                 for k, v in json.loads(lines[-1][7:]).items():
                     out["seconds"][k] = v["median"] if isinstance(v, dict) and "median" in v else v
+                    if isinstance(v, dict) and "all" in v:  # every timed call, and its timings
+                        out.setdefault("all", {})[k] = v["all"]
+                        if "per_call" in v:
+                            out.setdefault("per_call", {})[k] = v["per_call"]
             else:
                 out["errors"][c] = (p.stderr or p.stdout)[-3000:]
         except subprocess.TimeoutExpired as e:

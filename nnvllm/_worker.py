@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import uuid
 from typing import Any
 
@@ -314,7 +315,9 @@ class _Capture:
         # Logits stay in the engine's dtype (what its sampler upcasts): half the bytes of fp32 in fp16.
         self.logits_dtype = taps.dtype
         remote = spec.get("client_pid") != os.getpid()
-        self.shm = _ShmFiles(taps.device) if remote and self.keep and taps.device.type == "cuda" else None
+        self.shm = _ShmFiles(taps.device) if remote and self.keep else None
+        # files of the client's dropped Runs, ready again (see _Spares); the client hears which
+        self.taken_back = _SPARES.take_back(spec.get("returned")) if remote else []
         self.timings: dict[str, float] = {}
         self.stats = {"rows": 0, "partial_prefills": 0, "eager": bool(self.need_eager)}
         # nv.stream: positions computed per request (kept only when streaming) and how far peek() went
@@ -535,6 +538,7 @@ class _Capture:
             self.timings["handover"] = self.timings.get("handover", 0.0) + _now(dev) - t0
         out["timings"] = dict(self.timings)
         out["stats"] = dict(self.stats)
+        out["taken_back"] = list(self.taken_back)
         return out
 
     def _samples(self, logits: torch.Tensor, k: int, reqs: dict, tokens: dict) -> dict[str, torch.Tensor]:
@@ -740,12 +744,51 @@ class _Spares:
     ``NNVLLM_SPARE_BYTES`` (default 4 GiB of shared memory held between calls; 0: none). A later
     capture takes the smallest that fits (cut to its size when handed over); the rest are replaced.
     They go with the engine: unlinked at exit, swept by the next engine if its process was killed.
+
+    Handed-over files are recycled too: the worker keeps the newest of them mapped (and page-locked)
+    in ``kept``, within the same budget, and does not let the client unlink them. When every tensor
+    of a Run that views such a file is gone, the client names the file in its next call
+    (``spec["returned"]``, see :func:`open_handover`) and the worker takes it back as a spare, ready
+    at no cost: calls in a row that drop their Runs (a benchmark, ``nv.collect``'s chunks) prepare
+    no file at all. A kept file the client still holds is never reused; the oldest are let go
+    (unmapped and unlinked here; the client's mapping stays valid) when newer ones need the room.
     """
 
     def __init__(self) -> None:
         self.files: list[tuple[int, Any]] = []  # (size, future of _ShmFile)
+        self.kept: dict[str, _ShmFile] = {}  # handed over, still mapped here, oldest first
         self.pool = None
         self.pending: list = []  # futures of background work (see wait)
+
+    def kept_bytes(self) -> int:
+        return sum(f.size for f in self.kept.values())
+
+    def keep(self, f: "_ShmFile") -> bool:
+        """Keep handed-over ``f`` mapped for recycling, letting the oldest kept files go if the budget
+        needs it; False (and nothing kept) when ``f`` alone is over it."""
+        if SPARE_BYTES <= 0 or f.size > SPARE_BYTES:
+            return False
+        while self.kept and self.kept_bytes() + f.size > SPARE_BYTES:
+            old = self.kept.pop(next(iter(self.kept)))
+            self.submit(old.discard)
+        self.kept[f.path] = f
+        return True
+
+    def take_back(self, paths) -> list[str]:
+        """Kept files whose Runs the client has dropped become spares again (mapped, page-locked)."""
+        import concurrent.futures
+
+        taken = []
+        for p in paths or ():
+            f = self.kept.pop(p, None)
+            if f is None:  # not this worker's, or let go already
+                continue
+            fut = concurrent.futures.Future()
+            fut.set_result(f)
+            f.spare = True
+            self.files.insert(0, (f.size, fut))  # taken before a same-size spare that may still be in the making
+            taken.append(p)
+        return taken
 
     def submit(self, fn, *args):
         fut = self.executor().submit(fn, *args)
@@ -771,9 +814,10 @@ class _Spares:
         return self.files.pop(min(fits)[1]) if fits else None
 
     def refill(self, sizes: list[int], leftovers: list[tuple[int, Any]], make) -> None:
-        """Replace the spares by files of ``sizes`` (largest first, within SPARE_BYTES), reusing
-        ``leftovers`` (prepared, never handed over) that fit; discard every other file."""
-        old, self.files, total = self.files + leftovers, [], 0
+        """Replace the spares by files of ``sizes`` (largest first, within what SPARE_BYTES leaves
+        beside the kept files), reusing ``leftovers`` (prepared, never handed over) that fit; discard
+        every other file."""
+        old, self.files, total = self.files + leftovers, [], self.kept_bytes()
         for size in sorted(sizes, reverse=True):
             if total + size > SPARE_BYTES:
                 continue
@@ -787,6 +831,9 @@ class _Spares:
         files, self.files = self.files, []
         for _, fut in files:
             _discard_when_ready(fut)
+        kept, self.kept = self.kept, {}
+        for f in kept.values():
+            f.discard()
 
 
 def _spare(nbytes: int, pin: bool, device: Any) -> "_ShmFile":
@@ -816,7 +863,8 @@ class _ShmFiles:
     """
 
     def __init__(self, device: Any = None) -> None:
-        self.pin = _handover_mode() == "pin"  # made only for a CUDA engine (see _Capture)
+        # page-locked for DMA only on a CUDA engine
+        self.pin = _handover_mode() == "pin" and getattr(device, "type", None) == "cuda"
         self.device = device
         self.ready: list[tuple[int, Any]] = []  # (size, future of _ShmFile)
         self.handed: set[str] = set()  # paths the client maps (and then unlinks)
@@ -833,16 +881,17 @@ class _ShmFiles:
         self.ready.append(_SPARES.take(nbytes) or (nbytes, _SPARES.submit(_ShmFile, nbytes, self.pin, self.device)))
 
     def take(self, nbytes: int, timings: dict | None = None) -> _ShmFile:
-        """The smallest prepared file of at least ``nbytes`` (waiting for that one only), else a new
-        one; it is handed over. ``timings`` gets how its preparation went (benchmarks)."""
+        """The smallest prepared file of at least ``nbytes`` (waiting for that one only), else a spare
+        that fits, else a new one; it is handed over. ``timings`` gets how its preparation went
+        (benchmarks)."""
         fits = [(size, i) for i, (size, _) in enumerate(self.ready) if size >= nbytes]
-        if fits:
-            fut = self.ready.pop(min(fits)[1])[1]
-            ready = fut.done()
-            f = fut.result()
-        else:
-            ready = False
-            f = self._make(nbytes)
+        # else not prepared (the sampling statistics' tensors never are): a spare, else a new file
+        fut = self.ready.pop(min(fits)[1])[1] if fits else (_SPARES.take(nbytes) or (0, None))[1]
+        ready = fut is not None and fut.done()
+        t0 = time.perf_counter()
+        f = fut.result() if fut is not None else self._make(nbytes)
+        if timings is not None and fut is not None:  # blocked on a file still being prepared
+            timings["handover_wait"] = timings.get("handover_wait", 0.0) + time.perf_counter() - t0
         self.handed.add(f.path)
         self.sizes.append(nbytes)
         if timings is not None:
@@ -852,8 +901,13 @@ class _ShmFiles:
             timings["files_spare"] = timings.get("files_spare", 0) + int(f.spare)
         return f
 
-    def release(self, f: _ShmFile, keep: int) -> None:
+    def release(self, f: _ShmFile, keep: int) -> bool:
+        """After its copy: kept mapped for recycling (True: the client must not unlink it), else
+        unmapped and cut to ``keep`` bytes in the background."""
+        if _SPARES.keep(f):
+            return True
         _SPARES.submit(f.release, keep)
+        return False
 
     def discard(self) -> None:
         """Keep files like the ones handed over ready for the next capture (:class:`_Spares`),
@@ -947,25 +1001,57 @@ def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFi
     timings = {} if timings is None else timings
     for name, v in tensors.items():
         nbytes = v.numel() * v.element_size()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         f = shm.take(nbytes, timings) if shm is not None else _ShmFile(nbytes)
         t1 = time.perf_counter()
+        # this thread's CPU time in it: far below handover_file means it waited (GIL, kernel locks)
+        timings["handover_file_cpu"] = timings.get("handover_file_cpu", 0.0) + time.thread_time() - c0
         if nbytes:
             _d2h(f.host(nbytes, v.dtype, v.shape), v, mode, f)
         # where the hand-off's time goes (benchmarks): waiting for a prepared file, then the copy
         timings["handover_file"] = timings.get("handover_file", 0.0) + t1 - t0
         timings["handover_copy"] = timings.get("handover_copy", 0.0) + time.perf_counter() - t1
         timings["handover_bytes"] = timings.get("handover_bytes", 0) + nbytes
-        if shm is not None:
-            shm.release(f, nbytes)
-        else:
-            f.release(nbytes)
+        kept = shm.release(f, nbytes) if shm is not None else f.release(nbytes)
         files[name] = {"path": f.path, "dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+        if kept:
+            files[name]["kept"] = True  # recycled (see _Spares): the client returns it, never unlinks it
     return {"files": files}
 
 
+# Client side: recycled hand-off files (see _Spares) whose tensors are all gone, to name in the next call.
+_RETURNED: set[str] = set()
+
+
+def returned_files() -> list[str]:
+    """The recycled hand-off files this process no longer uses (still present), for the next call's spec."""
+    paths = _RETURNED.copy()  # (one C call: a finalizer adding a path cannot interleave)
+    for p in [p for p in paths if not os.path.exists(p)]:  # its engine let it go, or ended
+        _RETURNED.discard(p)
+        paths.discard(p)
+    return sorted(paths)
+
+
+def taken_back(paths) -> None:
+    """The engine took these files back (the hand-off's ``taken_back``)."""
+    _RETURNED.difference_update(paths or ())
+
+
+def _map_kept(path: str, nbytes: int) -> torch.Tensor:
+    """Map a recycled file; when the last tensor viewing it is freed, it is returned to the engine."""
+    import mmap
+    import weakref
+
+    with open(path, "r+b") as fh:
+        mm = mmap.mmap(fh.fileno(), nbytes)
+    arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)  # torch.from_numpy keeps arr while any view lives
+    weakref.finalize(arr, _RETURNED.add, path)
+    return torch.from_numpy(arr)
+
+
 def open_handover(part: dict) -> dict[str, torch.Tensor]:
-    """The client side of :func:`_handover`: map the files (then unlink them) or take the tensors."""
+    """The client side of :func:`_handover`: map the files (then unlink them, unless the engine keeps
+    them for recycling) or take the tensors."""
     if "tensors" in part:
         return part["tensors"]
     out = {}
@@ -973,22 +1059,31 @@ def open_handover(part: dict) -> dict[str, torch.Tensor]:
         dtype = getattr(torch, f["dtype"])
         numel = int(np.prod(f["shape"])) if f["shape"] else 1
         item = torch.empty((), dtype=dtype).element_size()
+        kept = bool(f.get("kept"))
         try:
-            if numel:
+            if numel and kept:
+                out[name] = _map_kept(f["path"], numel * item).view(dtype).view(f["shape"])
+            elif numel:
                 t = torch.from_file(f["path"], shared=True, size=numel * item, dtype=torch.uint8)
                 out[name] = t.view(dtype).view(f["shape"])
             else:
                 out[name] = torch.empty(f["shape"], dtype=dtype)
+                if kept:
+                    _RETURNED.add(f["path"])
         finally:
-            try:
-                os.unlink(f["path"])  # the mapping keeps the memory until the tensor is freed
-            except FileNotFoundError:
-                pass
+            if not kept:
+                try:
+                    os.unlink(f["path"])  # the mapping keeps the memory until the tensor is freed
+                except FileNotFoundError:
+                    pass
     return out
 
 
 def discard_handover(part: dict) -> None:
     for f in part.get("files", {}).values():
+        if f.get("kept"):
+            _RETURNED.add(f["path"])
+            continue
         try:
             os.unlink(f["path"])
         except FileNotFoundError:
@@ -1091,17 +1186,19 @@ class CaptureWorker:
             cap.shm.discard()
 
     def nnvllm_spares(self, drop: bool = False) -> dict:
-        """This worker's pid and the hand-off files it keeps ready between captures (:class:`_Spares`);
-        ``drop=True`` removes them (their shared memory goes back now)."""
+        """This worker's pid, the hand-off files it keeps ready between captures and the handed-over
+        ones it keeps for recycling (:class:`_Spares`); ``drop=True`` removes them all (their shared
+        memory goes back now; a client's mapping of one stays valid)."""
         paths = []
         for _, fut in _SPARES.files:
             try:
                 paths.append(fut.result(timeout=30).path)
             except Exception:  # noqa: BLE001
                 pass
+        kept = list(_SPARES.kept)
         if drop:
             _SPARES.drop()
-        return {"pid": os.getpid(), "files": paths}
+        return {"pid": os.getpid(), "files": paths, "kept": kept}
 
     def nnvllm_peek(self) -> bytes | None:
         """The armed capture's rows since the last peek (nv.stream) as ``torch.save`` bytes (an RPC

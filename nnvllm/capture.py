@@ -146,6 +146,7 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
     engine = engine_of(model)  # a closed (or dead) engine says so here
     _validate.fits_context(_prompt_lens(model, prompts), max_tokens, _context_len(model, engine))
     from . import edits as _edits
+    from ._worker import returned_files
 
     edit_list = _edits.resolve(edits, model.arch, model.n_layers, _edits.site_widths(model),
                                engine.info()["tp"] if edits else 1, n_prompts=len(prompts))
@@ -157,6 +158,7 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
     spec = {"family": arch.family, "layers": list(layer_ids), "sites": list(wanted), "logits": bool(logits),
             "sample": {"temperature": float(temperature), "top_p": float(top_p), "k": int(top_k)},
             "client_pid": os.getpid(), "edits": _edits.to_spec(edit_list), "stream": bool(stream),
+            "returned": returned_files(),  # hand-off files of dropped Runs, for the engine to reuse
             **_size_hint(model, prompts, max_tokens)}
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, top_k=top_k,
                     ignore_eos=ignore_eos)
@@ -171,8 +173,9 @@ def _assemble(model, req: _Request, outputs: list[dict], handoff: dict | None) -
         raise RuntimeError("the engine returned no capture; was it restarted during the call?")
     if handoff.get("error"):
         raise RuntimeError(f"the capture failed inside the engine: {handoff['error']}")
-    from ._worker import open_handover
+    from ._worker import open_handover, taken_back
 
+    taken_back(handoff.get("taken_back"))
     arenas = [open_handover(a) for a in handoff["arenas"]]
     _LAST_TIMINGS.clear()
     _LAST_TIMINGS.update(handoff.get("timings") or {})

@@ -22,6 +22,11 @@
 #                    CUDA_VISIBLE_DEVICES set to it (e.g. GPUS="0 0 1": two on GPU 0, one on GPU 1);
 #                    test files are dealt out by size (scripts/split_tests.py), logs in engine_<k>.txt.
 #                    Test engines hold ~2 GiB each (tests/conftest.py), so several share a GPU.
+#   WORKERS          pytest-xdist workers for the engine stage (default 8 where xdist imports, else none:
+#                    one process); files stay whole on a worker, test_families.py's families are dealt
+#                    out one by one (tests/conftest.py). Lane F: 8 workers on one H200, engine starts
+#                    ~60 s each then (benchmarks/results/gpu/README.md). NB_WORKERS: the same for the
+#                    notebooks (default 3). 0: no xdist.
 #   PYTEST_ARGS      extra pytest arguments for every stage (e.g. "--durations=20")
 #   NNVLLM_NO_SETUP=1  never create a venv; use python3 as it is
 #   PYTHON           the interpreter (default python3)
@@ -90,6 +95,14 @@ dirty=$(git status --porcelain 2>/dev/null | grep -qv '^??' && echo "+local chan
 code=$(find nnvllm tests scripts -name '*.py' -o -name '*.sh' 2>/dev/null | LC_ALL=C sort | xargs cat 2>/dev/null | sha256sum | cut -c1-12)
 rev="$rev (code $code)"
 
+# Parallel stages where pytest-xdist is there; -v -v names every test as it ends (a killed stage's log
+# then says what ran).
+XDIST_ENGINE="" XDIST_NB=""
+if "$PY" -c "import xdist" >/dev/null 2>&1; then
+  [ "${WORKERS:-8}" -gt 0 ] && XDIST_ENGINE="-v -v -n ${WORKERS:-8} --dist loadfile"
+  [ "${NB_WORKERS:-3}" -gt 0 ] && XDIST_NB="-v -v -n ${NB_WORKERS:-3}"
+fi
+
 declare -a names rcs secs
 failed=0
 run_stage() {  # name, then the command
@@ -118,7 +131,7 @@ for stage in $STAGES; do
     engine)
       if [ -z "${GPUS:-}" ]; then
         NNVLLM_FIDELITY_JSON="$OUT_DIR/fidelity_engine.json" \
-          run_stage engine "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} ${TESTS:-tests/} --tp 1
+          run_stage engine "$PY" -m pytest -q -ra $XDIST_ENGINE ${PYTEST_ARGS:-} ${TESTS:-tests/} --tp 1
       else
         read -r -a gpus <<< "$GPUS"
         mapfile -t shares < <("$PY" scripts/split_tests.py "${#gpus[@]}" ${TESTS:-tests/})
@@ -137,7 +150,7 @@ for stage in $STAGES; do
         done
       fi ;;
     notebooks)
-      run_stage notebooks "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} --nbmake ${NOTEBOOKS:-notebooks/} ;;
+      run_stage notebooks "$PY" -m pytest -q -ra $XDIST_NB ${PYTEST_ARGS:-} --nbmake ${NOTEBOOKS:-notebooks/} ;;
     tp_vllm)
       NNVLLM_FIDELITY_JSON="$OUT_DIR/fidelity_tp_vllm.json" \
         run_stage tp_vllm "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} tests/test_vllm.py tests/test_edits.py tests/test_stream.py --tp "$TP" ;;

@@ -87,12 +87,13 @@ def test_a_failed_recording_fails_alone_and_the_engine_keeps_answering(toy):
 
 def test_no_handoff_file_is_left_behind(toy):
     """After a capture the only hand-off files of the engine's worker are the ones it keeps ready for
-    the next (on a GPU engine in its own process: _Spares); dropping those leaves none. Only this
-    worker's files count (the GPU lane runs other engines beside this one)."""
+    the next and the handed-over ones it keeps for recycling (on a GPU engine in its own process:
+    _Spares); dropping those leaves none. Only this worker's files count (the GPU lane runs other
+    engines beside this one)."""
     nv.generate(toy, FACTS[:4], max_tokens=3)
     info = toy.llm.collective_rpc("nnvllm_spares")[0]
     mine = lambda: {f for f in os.listdir(shm_dir()) if f.startswith(f"{SHM_PREFIX}{info['pid']}-")}  # noqa: E731
-    assert mine() == {os.path.basename(p) for p in info["files"]}
+    assert mine() == {os.path.basename(p) for p in info["files"] + info["kept"]}
     assert toy.llm.collective_rpc("nnvllm_spares", kwargs={"drop": True})[0]["pid"] == info["pid"]
     assert mine() == set()
 
@@ -161,8 +162,12 @@ def test_handoff_files_are_kept_ready_for_the_next_capture(monkeypatch):
     second.prepare(3 << 20)
     second.prepare(2 << 20)
     second.prepare(1 << 20)  # no spare that size: prepared anew
-    got = [second.take(3 << 20), second.take(2 << 20)]
+    timings: dict = {}
+    got = [second.take(3 << 20, timings), second.take(2 << 20, timings)]
     assert {os.path.basename(f.path) for f in got} == spare_paths  # the spares, not new files
+    # what the benchmarks read: both were spares, ready before the hand-off, so it hardly waited
+    assert timings["files_spare"] == 2 and timings["files_ready"] == 2
+    assert 0 <= timings["handover_wait"] < 0.5
     assert len(_SPARES.files) == 0
     second.discard()  # the same sizes again; the 1 MiB file never handed over is discarded
     _wait_for_pool()
@@ -172,3 +177,31 @@ def test_handoff_files_are_kept_ready_for_the_next_capture(monkeypatch):
         os.unlink(f.path)
     _SPARES.drop()
     assert mine() == before
+
+
+def test_handed_over_files_are_kept_for_recycling_within_the_budget(monkeypatch):
+    """Handed-over files stay mapped in the worker for reuse (_Spares.kept), newest kept within
+    NNVLLM_SPARE_BYTES (the oldest are let go: unmapped and unlinked); the ones the client returns
+    become spares again, taken before other spares of their size; unknown paths are ignored."""
+    from nnvllm import _worker
+    from nnvllm._worker import _SPARES, _ShmFile
+
+    monkeypatch.setenv("NNVLLM_HANDOVER", "plain")
+    monkeypatch.setattr(_worker, "SPARE_BYTES", 5 << 20)
+    _SPARES.drop()
+    f1, f2, f3 = (_ShmFile(2 << 20) for _ in range(3))
+    assert _SPARES.keep(f1) and _SPARES.keep(f2)
+    assert _SPARES.keep(f3)  # 6 MiB would be over 5: the oldest, f1, goes
+    _wait_for_pool()
+    assert list(_SPARES.kept) == [f2.path, f3.path] and not os.path.exists(f1.path)
+    big = _ShmFile(6 << 20)
+    assert not _SPARES.keep(big)  # over the budget alone: released as before, not kept
+    big.discard()
+    assert list(_SPARES.kept) == [f2.path, f3.path]
+    assert _SPARES.take_back([f3.path, "/dev/shm/not-this-workers"]) == [f3.path]
+    assert list(_SPARES.kept) == [f2.path]
+    size, fut = _SPARES.take(2 << 20)
+    assert fut.result() is f3 and f3.spare and f3.mm is not None  # still mapped: ready at no cost
+    f3.discard()
+    _SPARES.drop()  # the kept f2 too
+    assert not os.path.exists(f2.path) and _SPARES.kept == {}

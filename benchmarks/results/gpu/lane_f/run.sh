@@ -6,6 +6,8 @@
 #   bash run.sh b      second half of the engine suite; then, alone on the GPU, the 64 x 128 Llama-1B-shape
 #                      capture with its hand-off and client timings (bare graphs, nnvllm in-process, isolated).
 #   bash run.sh lane   the first attempt: the whole engine suite beside the notebooks in one command.
+# (As run, PYTEST_ARGS carried "-v -v -n 8 --dist loadfile" and "-v -v -n 3"; test_gpu.sh now adds
+# those itself, WORKERS and NB_WORKERS.)
 # Run from the repository root after `source /root/nnvllm-gpu.env && export PYTHONPATH=$PWD:$PYTHONPATH`.
 # Everything is also packed into $R.tar.gz (at the end, and at PACK_AT seconds for a killed command).
 set -u
@@ -27,12 +29,12 @@ B="tests/test_engines_list.py tests/test_bad_input.py tests/test_edits.py tests/
    tests/test_results_io.py tests/test_store.py tests/test_vllm.py"
 engine() {  # name, timeout, files
   ( OUT="$R/$1" STAGES=engine STAGE_TIMEOUT="$2" TESTS="$(echo $3)" \
-      PYTEST_ARGS="-v -v -n ${WORKERS:-8} --dist loadfile --durations=40 -o faulthandler_timeout=500" \
+      PYTEST_ARGS="--durations=40 -o faulthandler_timeout=500" \
       bash scripts/test_gpu.sh > /dev/null 2>&1 )
 }
 notebooks() {
   ( OUT="$R/notebooks" STAGES=notebooks STAGE_TIMEOUT="${NB_TIMEOUT:-550}" \
-      PYTEST_ARGS="-v -v -n ${NB_WORKERS:-3} --durations=10" bash scripts/test_gpu.sh > /dev/null 2>&1 )
+      PYTEST_ARGS="--durations=10" bash scripts/test_gpu.sh > /dev/null 2>&1 )
 }
 bench() {
   ( unset NNVLLM_GPU_MEMORY_UTILIZATION NNVLLM_KV_CACHE_MEMORY_BYTES
