@@ -6,6 +6,9 @@
 #   bash run.sh b      second half of the engine suite; then, alone on the GPU, the 64 x 128 Llama-1B-shape
 #                      capture with its hand-off and client timings (bare graphs, nnvllm in-process, isolated).
 #   bash run.sh lane   the first attempt: the whole engine suite beside the notebooks in one command.
+# As run this session: `ENGINE_TIMEOUT=480 NB_TIMEOUT=480 PACK_AT=490 bash run.sh a`, then
+# `ENGINE_TIMEOUT=270 BENCH_TIMEOUT=190 PACK_AT=470 bash run.sh b` (each case of the bench takes ~75 s
+# with its engine start: 190 s held two of three; the default is now 330).
 # (As run, PYTEST_ARGS carried "-v -v -n 8 --dist loadfile" and "-v -v -n 3"; test_gpu.sh now adds
 # those itself, WORKERS and NB_WORKERS.)
 # Run from the repository root after `source /root/nnvllm-gpu.env && export PYTHONPATH=$PWD:$PYTHONPATH`.
@@ -38,7 +41,7 @@ notebooks() {
 }
 bench() {
   ( unset NNVLLM_GPU_MEMORY_UTILIZATION NNVLLM_KV_CACHE_MEMORY_BYTES
-    VLLM_PLUGINS="" timeout -k 5 "${BENCH_TIMEOUT:-240}" python3 benchmarks/capture_gpu.py --shape llama1b \
+    VLLM_PLUGINS="" timeout -k 5 "${BENCH_TIMEOUT:-330}" python3 benchmarks/capture_gpu.py --shape llama1b \
       --prompts 64 --tokens 128 --timeout 100 --root /tmp/b0 --out "$R/llama1b.json" \
       --cases bare_graphs,nv_graphs,nv_isolated > "$R/llama1b.log" 2>&1 )
 }
