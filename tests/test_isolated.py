@@ -372,14 +372,12 @@ def test_stream_on_an_isolated_engine(iso):
 
 
 def _files_of(*tensors) -> set[str]:
-    """The shared-memory files the tensors' memory is mapped from (/proc/self/maps)."""
+    """The shared-memory files the tensors' memory is mapped from."""
     maps = []
-    with open("/proc/self/maps") as fh:
-        for line in fh:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and os.path.basename(parts[5].strip()).startswith("nnvllm-cap-"):
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                maps.append((lo, hi, parts[5].strip().removesuffix(" (deleted)")))
+    for m in psutil.Process().memory_maps(grouped=False):
+        if os.path.basename(m.path).startswith("nnvllm-cap-"):
+            lo, hi = (int(x, 16) for x in m.addr.split("-"))
+            maps.append((lo, hi, m.path.removesuffix(" (deleted)")))
     return {path for t in tensors for lo, hi, path in maps if lo <= t.data_ptr() < hi}
 
 
