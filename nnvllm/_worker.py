@@ -1188,7 +1188,9 @@ class CaptureWorker:
     def nnvllm_spares(self, drop: bool = False) -> dict:
         """This worker's pid, the hand-off files it keeps ready between captures and the handed-over
         ones it keeps for recycling (:class:`_Spares`); ``drop=True`` removes them all (their shared
-        memory goes back now; a client's mapping of one stays valid)."""
+        memory goes back now; a client's mapping of one stays valid). Reports after the background work
+        submitted so far (files being made, let go or released) is done."""
+        _SPARES.wait()
         paths = []
         for _, fut in _SPARES.files:
             try:
