@@ -23,6 +23,7 @@ kernel that dies without closing (43 GB of an H200 stayed held, docs/engines.md)
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import os
@@ -351,7 +352,7 @@ class RemoteEngine:
         buf = io.BytesIO()
         torch.save({"prompts": prompts, "params": params, "spec": spec, "stream_id": sid}, buf)
         conn, model = self.conn, self.model
-        asked = False
+        asked = ended = False
         try:
             with conn.client.stream("POST", "/v1/nnvllm/stream", content=buf.getvalue(),
                                     headers={"Content-Type": "application/octet-stream"}) as r:
@@ -375,6 +376,7 @@ class RemoteEngine:
                                 model._engine_died("its engine core stopped during a stream")
                             raise RuntimeError(f"the engine failed during the stream: {kind}: {text}")
                         if "handoff" in msg:
+                            ended = True
                             yield "done", msg["outputs"], msg["handoff"]
                             return
                         yield "step", msg["outputs"], msg["peek"]
@@ -385,6 +387,10 @@ class RemoteEngine:
             if not model._engine_alive():
                 model._engine_died(f"its server stopped answering during a stream ({type(e).__name__})")
             raise ConnectionError(f"the stream from {conn.url} broke off: {type(e).__name__}: {e}") from None
+        finally:
+            if not ended:  # left early (break, an error): the server cuts the generation and disarms
+                with contextlib.suppress(Exception):
+                    conn.request("POST", "/v1/nnvllm/stream/stop", json={"stream_id": sid, "abort": True})
         raise ConnectionError(f"the stream from {conn.url} ended without its result")
 
     def unembed(self, final_norm: str, unembed: str) -> list[dict]:

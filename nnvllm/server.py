@@ -235,13 +235,21 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                 return _torch_payload({"error": (type(e).__name__, str(e))})
         return _torch_payload({"outputs": outputs, "handoff": handoff, "error": None})
 
-    streams: dict[str, asyncio.Event] = {}  # stream id -> its stop flag (/v1/nnvllm/stream/stop)
+    streams: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}  # stream id -> (stop, abort) flags
+    stream_tasks: set = set()  # the running streamed captures
 
     async def stream(request: Request):
         """``nv.stream``: the capture of ``/v1/nnvllm/generate``, step by step, as a streamed body of
         frames (8-byte little-endian length, then a ``torch.save`` of plain data and small tensors):
         ``{"outputs": [...], "peek": {...}}`` after each batch of engine outputs, then ``{"outputs",
-        "handoff"}``, or ``{"error"}``. A client that disconnects aborts the generation."""
+        "handoff"}``, or ``{"error"}``.
+
+        The capture runs in its own task, which holds the capture lock, and ends on its own: the
+        response only reads its frames. (The response's generator is not closed when the client goes
+        away while it waits to send; one that held the lock kept every later call waiting, seen as a
+        hang after ``break`` in a stream.) A client that leaves early asks ``/v1/nnvllm/stream/stop``
+        with ``abort``: the generation is cut, the worker disarmed, and nothing handed over; a
+        response closed while the capture runs does the same."""
         import struct
 
         import torch
@@ -255,23 +263,41 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         except (TypeError, ValueError) as e:
             return _torch_payload({"error": (type(e).__name__, str(e))})
         sid = str(req["stream_id"])
-        stop = streams[sid] = asyncio.Event()
+        stop, gone = asyncio.Event(), asyncio.Event()
+        streams[sid] = (stop, gone)
         book = StreamBook([uuid.uuid4().hex for _ in req["prompts"]])
+        out: asyncio.Queue = asyncio.Queue()  # frames, then None
 
         def frame(obj) -> bytes:
             buf = io.BytesIO()
             torch.save(obj, buf)
             return struct.pack("<Q", buf.tell()) + buf.getvalue()
 
-        async def frames():
+        async def produce():
             queue: asyncio.Queue = asyncio.Queue()
 
             async def one(prompt, sp, request_id):
                 try:
-                    async for out in engine.generate(prompt, sp, request_id):
-                        await queue.put(plain_output(out))
+                    async for o in engine.generate(prompt, sp, request_id):
+                        await queue.put(plain_output(o))
                 finally:
                     await queue.put(request_id)  # this request is over (finished or aborted)
+
+            async def next_items():  # the outputs that came since the last call, or None once the client left
+                items = []
+                if queue.empty() and not gone.is_set():
+                    get, left = asyncio.ensure_future(queue.get()), asyncio.ensure_future(gone.wait())
+                    await asyncio.wait([get, left], return_when=asyncio.FIRST_COMPLETED)
+                    left.cancel()
+                    if get.done():
+                        items.append(get.result())
+                    else:
+                        get.cancel()
+                if gone.is_set():
+                    return None
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                return items
 
             async with capture_lock:
                 tasks: list = []
@@ -282,39 +308,60 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                     tasks = [asyncio.ensure_future(one(p, sp, i)) for p, sp, i in zip(req["prompts"], params, book.ids)]
                     running = len(tasks)
                     while running:
-                        items = [await queue.get()]
-                        while not queue.empty():
-                            items.append(queue.get_nowait())
+                        items = await next_items()
+                        if items is None:
+                            return  # the finally aborts and disarms
                         running -= sum(isinstance(it, str) for it in items)
                         book.update(it for it in items if not isinstance(it, str))
                         peek = (await _rpc(engine, PEEK))[0]
-                        yield frame({"outputs": book.snapshot(), "peek": peek})
+                        await out.put(frame({"outputs": book.snapshot(), "peek": peek}))
                         abort = book.stop(stop.is_set())
                         if abort:  # the requests end (aborted) and the loop drains them
                             await engine.abort(abort)
                     await asyncio.gather(*tasks, return_exceptions=True)
+                    if gone.is_set():
+                        return
                     outputs = book.outputs()
                     armed = False
                     handoff = (await _rpc(engine, COLLECT, (collect_tokens(outputs), None)))[0]
-                    yield frame({"outputs": outputs, "handoff": handoff})
+                    await out.put(frame({"outputs": outputs, "handoff": handoff}))
                 except Exception as e:  # noqa: BLE001
-                    yield frame({"error": (type(e).__name__, ENGINE_DIED if _dead(engine) else str(e))})
-                finally:  # also when the client went away (the generator is closed)
+                    await out.put(frame({"error": (type(e).__name__, ENGINE_DIED if _dead(engine) else str(e))}))
+                finally:
                     streams.pop(sid, None)
                     for t in tasks:
                         t.cancel()
                     if armed and not _dead(engine):
                         with contextlib.suppress(Exception):
+                            await asyncio.gather(*tasks, return_exceptions=True)
                             await engine.abort(book.ids)
                             await _rpc(engine, DISARM)
+                    await out.put(None)
+
+        task = asyncio.ensure_future(produce())
+        stream_tasks.add(task)  # (the loop keeps only a weak reference)
+        task.add_done_callback(stream_tasks.discard)
+
+        async def frames():
+            ended = False
+            try:
+                while (f := await out.get()) is not None:
+                    yield f
+                ended = True
+            finally:  # closed early (when it runs at all: see above): the capture stops too
+                if not ended:
+                    gone.set()
 
         return StreamingResponse(frames(), media_type="application/octet-stream")
 
     async def stream_stop(request: Request):
-        flag = streams.get(str((await request.json()).get("stream_id")))
-        if flag is not None:
-            flag.set()
-        return {"status": "ok", "stopping": flag is not None}
+        """``{"stream_id"}``: end the stream at the next step, keeping what was produced; with
+        ``"abort": true`` (the client left early): cut it, keep nothing."""
+        body = await request.json()
+        flags = streams.get(str(body.get("stream_id")))
+        if flags is not None:
+            flags[1 if body.get("abort") else 0].set()
+        return {"status": "ok", "stopping": flags is not None}
 
     async def unembed(request: Request):
         body = await request.json()

@@ -371,6 +371,26 @@ def test_stream_on_an_isolated_engine(iso):
     assert nv.generate(iso, [CLEAN, CORRUPT], max_tokens=5, ignore_eos=True).tokens == ref.tokens
 
 
+def test_leaving_a_stream_early_never_blocks_the_next_call(iso):
+    """Leaving a stream (``break``) cuts the server's generation and frees the engine at once. The
+    server's capture ran inside the response's generator, which was not closed when the client went
+    away while it waited to send: it kept the capture lock, and the next call waited forever (on CPU
+    here once in 10 to 60 breaks, on the H200 in the GPU lane). Sixty breaks, each followed by a call
+    that must return within a minute."""
+    import threading
+
+    for i in range(60):
+        for step in nv.stream(iso, [CLEAN, CORRUPT], max_tokens=40, ignore_eos=True,
+                              edits=[nv.Edit.scale(0.5, layers=0)]):
+            break
+        done: list = []
+        t = threading.Thread(target=lambda: done.append(nv.generate(iso, CLEAN, max_tokens=2)), daemon=True)
+        t.start()
+        t.join(60)
+        assert done, f"nv.generate after the {i + 1}th stream left early did not return within 60 s"
+    assert done[0].tokens == nv.generate(iso, CLEAN, max_tokens=2).tokens
+
+
 def _files_of(*tensors) -> set[str]:
     """The shared-memory files the tensors' memory is mapped from."""
     maps = []
