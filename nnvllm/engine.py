@@ -341,24 +341,23 @@ def _build_model_classes():
             gc.collect()
 
         def sleep(self, level: int = 1) -> None:
-            """Offload (level 1) or drop (level 2) the weights and free the KV cache, keeping the engine.
+            """Offload (level 1) or drop (level 2) the weights and free the KV cache, keeping the engine
+            (in-process or isolated).
 
             vLLM's sleep mode: GPU only, and the model must be loaded with ``enable_sleep_mode=True``.
             """
-            self._sleep_mode_llm().sleep(level)
+            self._sleep_engine().sleep(level)
 
         def wake(self) -> None:
             """Undo :meth:`sleep`."""
-            self._sleep_mode_llm().wake_up()
+            self._sleep_engine().wake()
 
-        def _sleep_mode_llm(self):
-            platform_ok = _sleep_platform()
-            llm = self.vllm_entrypoint
-            if platform_ok and llm is None:
-                raise RuntimeError("this model was closed; load it again with nv.load(...)")
-            enabled = platform_ok and bool(getattr(llm.llm_engine.model_config, "enable_sleep_mode", False))
-            check_sleep(platform_ok, enabled)
-            return llm
+        def _sleep_engine(self):
+            from .transport import engine_of
+
+            engine = engine_of(self)  # a closed (or dead) engine says so here
+            check_sleep(*engine.sleep_support())
+            return engine
 
         def __enter__(self):
             return self
@@ -366,9 +365,11 @@ def _build_model_classes():
         def __exit__(self, *exc):
             self.close()
 
+        def _state(self) -> str:
+            return "closed" if self.vllm_entrypoint is None else "running"
+
         def __repr__(self) -> str:
-            state = "closed" if self.vllm_entrypoint is None else "running"
-            return f"<nnvllm model {self.checkpoint!r} ({self.arch.family}, {self.n_layers} layers, {state})>"
+            return f"<nnvllm model {self.checkpoint!r} ({self.arch.family}, {self.n_layers} layers, {self._state()})>"
 
     class GPUModel(_Mixin, VLLM):
         _WORKER_CLS = "nnvllm._gpu.NNsightUntiedGPUWorker"
@@ -449,12 +450,6 @@ def _graph_args(graphs: bool, kwargs: dict) -> dict:
         raise TypeError("compilation_config= must be a dict for nnvllm's engine (it sets mode and cudagraph_mode)")
     cc = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", **cc}
     return {**kwargs, "enforce_eager": False, "compilation_config": cc}
-
-
-def _sleep_platform() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_sleep_mode_available()
 
 
 def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engine_args: Any):

@@ -42,7 +42,7 @@ from typing import Any
 
 __all__ = ["EngineDied", "RemoteEngine", "start", "attach", "tree_rss"]
 
-from ._procs import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER, check_sleep, real_stdout, tree_rss  # stdlib-only at import
+from ._procs import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER, real_stdout, tree_rss  # stdlib-only at import
 
 _CONNECT_TIMEOUT = 10.0
 
@@ -404,6 +404,15 @@ class RemoteEngine:
     def info(self) -> dict:
         return self.model._info
 
+    def sleep_support(self) -> tuple[bool, bool]:
+        return self.model._info.get("sleep_platform", False), self.model._info.get("sleep_mode", False)
+
+    def sleep(self, level: int) -> None:
+        self.conn.request("POST", "/v1/nnvllm/sleep", json={"level": int(level)})
+
+    def wake(self) -> None:
+        self.conn.request("POST", "/v1/nnvllm/wake")
+
 
 # ---------------------------------------------------------------- the model
 
@@ -580,33 +589,12 @@ class IsolatedMixin:
         self._closed = False
         self._dead = None
 
-    def sleep(self, level: int = 1) -> None:
-        """Free the engine's weights (level 2) or offload them (level 1), keeping the process (GPU only)."""
-        self._check_sleep()
-        self._connection().request("POST", "/v1/nnvllm/sleep", json={"level": int(level)})
-
-    def wake(self) -> None:
-        """Undo :meth:`sleep`."""
-        self._check_sleep()
-        self._connection().request("POST", "/v1/nnvllm/wake")
-
-    def _check_sleep(self) -> None:
-        self._connection()
-        check_sleep(self._info.get("sleep_platform", False), self._info.get("sleep_mode", False))
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __repr__(self) -> str:
+    def _state(self) -> str:
         if self._closed or self._dead:
             where = "closed" if self._closed else "dead: model.restart()"
         else:
             where = f"pid {self.pid}" if self._server is not None else f"attached to {self.url}"
-        return (f"<nnvllm model {self.checkpoint!r} ({self.arch.family}, {self.n_layers} layers, isolated, "
-                f"{where})>")
+        return f"isolated, {where}"
 
 
 def _check_json(engine_args: dict) -> None:

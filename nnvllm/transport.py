@@ -8,7 +8,12 @@ reach the engine only through an object with these methods (:func:`engine_of` gi
 - ``stream(prompts, params, spec, stop)`` — the same, yielding ``("step", outputs so far, peek)``
   after each engine step, then ``("done", outputs, hand-off)``;
 - ``unembed(final_norm, unembed)`` — each TP rank's final norm and unembedding slice;
-- ``info()`` — dtype, vocabulary size, TP size.
+- ``info()`` — dtype, vocabulary size, TP size;
+- ``sleep_support()``, ``sleep(level)``, ``wake()`` — vLLM's sleep mode: whether the platform has it
+  and the engine was started with it, then the calls themselves.
+
+The model's lifecycle (``close``, ``sleep``, ``wake``, ``with``, its repr) is written once, in
+``nnvllm.engine``'s model mixin, over this contract; an isolated model only says how its engine ends.
 
 Two transports implement it and differ only in how calls and bytes travel: :class:`InProcessEngine`
 (here: vLLM's ``LLM`` in this process, called directly) and :class:`nnvllm.isolated.RemoteEngine`
@@ -187,6 +192,18 @@ class InProcessEngine:
         eng = self.llm.llm_engine
         return {"dtype": str(eng.model_config.dtype), "vocab_size": eng.model_config.get_vocab_size(),
                 "tp": eng.vllm_config.parallel_config.tensor_parallel_size}
+
+    def sleep_support(self) -> tuple[bool, bool]:
+        from vllm.platforms import current_platform
+
+        return (current_platform.is_sleep_mode_available(),
+                bool(getattr(self.llm.llm_engine.model_config, "enable_sleep_mode", False)))
+
+    def sleep(self, level: int) -> None:
+        self.llm.sleep(level)
+
+    def wake(self) -> None:
+        self.llm.wake_up()
 
 
 @contextlib.contextmanager
