@@ -388,7 +388,7 @@ class RemoteEngine:
                 model._engine_died(f"its server stopped answering during a stream ({type(e).__name__})")
             raise ConnectionError(f"the stream from {conn.url} broke off: {type(e).__name__}: {e}") from None
         finally:
-            if not ended:  # left early (break, an error): the server cuts the generation and disarms
+            if not ended and model._dead is None:  # left early (break, an error): the server cuts the generation
                 with contextlib.suppress(Exception):
                     conn.request("POST", "/v1/nnvllm/stream/stop", json={"stream_id": sid, "abort": True})
         raise ConnectionError(f"the stream from {conn.url} ended without its result")
