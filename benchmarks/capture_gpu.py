@@ -3,6 +3,12 @@
     python benchmarks/capture_gpu.py --shape llama1b --prompts 64 --tokens 128 --out results.json
     python benchmarks/capture_gpu.py --shape gpt2s --prompts 64 --tokens 32 --out results.json
     python benchmarks/capture_gpu.py --shape llama1b --big 1024 --tokens 128 --out results.json
+    python benchmarks/capture_gpu.py --all --out results/      # all three above, every case: one command
+
+``--all`` runs the three workloads of issue 9 one after the other, every case of each (``ALL_CASES``),
+and writes ``llama1b.json``, ``gpt2s.json``, ``big.json`` and their merge ``all.json`` into the ``--out``
+folder as it goes. Its cases take about a minute each on an H200 (start-up included), so it runs past a
+ten-minute command limit: split it there with ``--cases`` as the lanes under benchmarks/results/gpu do.
 
 Shapes (random fp16 weights, written once; a WordLevel tokenizer with the model's vocabulary):
 ``llama1b`` 16 layers, d=2048, 32/8 heads, d_mlp 8192, vocab 8192; ``gpt2s`` 12 layers, d=768, vocab
@@ -21,6 +27,7 @@ batch, then the median of ``--repeats``):
   same process also times ``model.llm.generate`` (nnvllm's engine, nothing captured).
 - ``nv_eager``: the same with ``cuda_graphs=False``.
 - ``nv_isolated``: ``nv.generate`` on an isolated engine (``isolate=True``, graphs on).
+- ``nv_isolated_eager``: the same with ``cuda_graphs=False``.
 - ``nv_fp32`` / ``nv_fp32_exact``: ``nv_graphs`` with the weights in fp32, without and with
   ``exact=True`` (the speed cost of full-precision fp32 attention).
 - ``<nv case>_handover_<mode>``: the same with ``NNVLLM_HANDOVER=<mode>`` (stage, pin, plain).
@@ -55,6 +62,11 @@ SHAPES = {
     "gpt2s": dict(kind="gpt2", layers=12, d=768, heads=12, kv=12, d_mlp=3072, vocab=8192),
 }
 PROMPT_LEN = 16
+# --all: every case of issue 9's benchmark, per shape (vllm-lens reads the Llama shape only)
+ALL_CASES = {
+    "llama1b": "bare_graphs,bare_eager,nv_graphs,nv_eager,nv_isolated,nv_isolated_eager,vllm_lens,hf_nnsight,nnsight_taps",
+    "gpt2s": "bare_graphs,bare_eager,nv_graphs,nv_eager,nv_isolated,nv_isolated_eager,hf_nnsight,nnsight_taps",
+}
 
 
 def build(shape: str, root: Path) -> str:
@@ -144,7 +156,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         from nnvllm import capture
         from vllm import SamplingParams
 
-        kw = {"cuda_graphs": not name.startswith("nv_eager")}
+        kw = {"cuda_graphs": "eager" not in name}
         dtype = "float16"
         if name.startswith("nv_fp32"):  # fp32 weights, with and without exact=True (full-precision attention)
             dtype, kw["exact"] = "float32", name == "nv_fp32_exact"
@@ -256,12 +268,16 @@ def main() -> None:
     ap.add_argument("--budget", default="4GB")
     ap.add_argument("--root", default="/tmp/nnvllm-bench")
     ap.add_argument("--timeout", type=float, default=240)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="a JSON file; with --all, a folder")
+    ap.add_argument("--all", action="store_true", help="Llama-1B 64x128 and GPT-2-small 64x32, every case, "
+                    "then 1,024x128 streamed to disk")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
+    if args.all:
+        return run_all(args)
     extra = {"save": str(root), "disk": str(root), "budget": args.budget}
     if args.case:  # child
         res = case(args.case, args.path, args.shape, args.prompts, args.tokens, args.repeats, extra)
@@ -326,6 +342,24 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(out, indent=2))
 
 
+def run_all(args) -> None:
+    """``--all``: the three workloads, each one run of this script (its cases in their own processes)."""
+    folder = Path(args.out or "capture_gpu_all")
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = [("llama1b", ["--shape", "llama1b", "--prompts", "64", "--tokens", "128", "--cases", ALL_CASES["llama1b"]]),
+            ("gpt2s", ["--shape", "gpt2s", "--prompts", "64", "--tokens", "32", "--cases", ALL_CASES["gpt2s"]]),
+            ("big", ["--shape", "llama1b", "--big", "1024", "--tokens", "128"])]
+    merged = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for name, argv in plan:
+        cmd = [sys.executable, __file__, *argv, "--repeats", str(args.repeats), "--root", args.root,
+               "--budget", args.budget, "--timeout", str(args.timeout), "--out", str(folder / f"{name}.json")]
+        print("==", name, " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd)
+        f = folder / f"{name}.json"
+        merged[name] = json.loads(f.read_text()) if f.is_file() else {"errors": {"all": "no result written"}}
+        (folder / "all.json").write_text(json.dumps(merged, indent=2))
+
+
 def _ratios(out: dict) -> None:
     s = out["seconds"]
     r = {}
@@ -334,6 +368,8 @@ def _ratios(out: dict) -> None:
             r[f"x {base}"] = {k: v / s[base] for k, v in s.items() if isinstance(v, float)}
     if isinstance(s.get("nv_isolated"), float) and isinstance(s.get("nv_graphs"), float):
         r["isolated / in-process"] = s["nv_isolated"] / s["nv_graphs"]
+    if isinstance(s.get("nv_isolated_eager"), float) and isinstance(s.get("nv_eager"), float):
+        r["isolated / in-process, eager"] = s["nv_isolated_eager"] / s["nv_eager"]
     for c in ("nv_steer", "nv_steer_eager"):
         for label in ("tokens", "all"):
             a, b = s.get(f"{c}_{label}_steered"), s.get(f"{c}_{label}")

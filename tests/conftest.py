@@ -24,7 +24,10 @@ def tp(request) -> int:
     return request.config.getoption("--tp")
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (fixtures), which the sort keeps
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: its order is the order units are dealt out
+        _slowest_first(items)
     tp = config.getoption("--tp")
     try:
         import torch
@@ -47,18 +50,53 @@ def pytest_collection_modifyitems(config, items):
 SPLIT_BY_CASE = ("tests/test_families.py",)
 
 
+# Seconds each test file takes on the 2-core CPU machine at TP=1 (junit, 2026-12-01; test_browser.py
+# with chromium present; test_families.py in all, its cases dealt out one by one). Workers take the
+# slowest units first (longest-first scheduling): xdist's default order, the files with the most
+# tests first, left test_isolated_lifecycle.py's 3 tests (~150 s) to the end, one worker running
+# them alone. A file not listed counts as 0 s and goes last; re-measure when a file's cost moves.
+FILE_SECONDS = {
+    "test_isolated.py": 184, "test_families.py": 173, "test_isolated_lifecycle.py": 147,
+    "test_browser.py": 120, "test_bad_input.py": 64, "test_engine.py": 55, "test_edits.py": 44,
+    "test_capture.py": 43, "test_docs.py": 37, "test_capture_scheduling.py": 32, "test_interrupt.py": 30,
+    "test_bad_input_more.py": 30, "test_pure.py": 24, "test_engines_list.py": 24, "test_widgets.py": 19,
+    "test_compat.py": 16, "test_analyses.py": 15, "test_analyses_llama.py": 14, "test_stream.py": 11,
+    "test_store.py": 11, "test_vllm.py": 6,
+}
+
+
+def _unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its file, or for a file in SPLIT_BY_CASE its case."""
+    file = nodeid.split("::", 1)[0]
+    if file.endswith(SPLIT_BY_CASE) and nodeid.endswith("]"):
+        return file + "[" + nodeid.rsplit("[", 1)[1]
+    return file
+
+
+def _slowest_first(items) -> None:
+    units: dict = {}  # file -> its units
+    for item in items:
+        units.setdefault(item.nodeid.split("::", 1)[0], set()).add(_unit(item.nodeid))
+
+    def seconds(item) -> float:  # a file's seconds, shared by its units
+        file = item.nodeid.split("::", 1)[0]
+        return FILE_SECONDS.get(file.rsplit("/", 1)[-1], 0) / len(units[file])
+
+    # stable: the tests of one file keep their order (module-scoped engines, parametrization)
+    items.sort(key=lambda item: -seconds(item))
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    config.option.loadscopereorder = False  # the work units go in the order collected (above)
+
     class FilesAndCases(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            if file.endswith(SPLIT_BY_CASE) and nodeid.endswith("]"):
-                return file + "[" + nodeid.rsplit("[", 1)[1]
-            return super()._split_scope(nodeid)
+            return _unit(nodeid)
 
     return FilesAndCases(config, log)
 
@@ -136,8 +174,61 @@ def _engine(path, tp):
     return nv.load(path, **engine_kwargs(tp))
 
 
+# ------------------------------------------------------------------ engines shared across test files
+# A module that sets ``SHARES_ENGINES = True`` takes its engines from shared_engine(): the engine stays
+# open after the module, for the next module that asks for the same checkpoint and arguments (the
+# TP=2 stage runs test_vllm, test_edits and test_stream one after the other: three engine starts
+# instead of five). Only one in-process engine may live in a process, so the shared one is closed
+# before any other module starts (the autouse fixture below) and at the end of the session. Tests in
+# those modules must leave the engine as they found it: what one leaves armed shows in the next.
+
+_SHARED: dict = {}
+
+
+def _is_open(model) -> bool:
+    if getattr(model, "_nnvllm_isolated", False):
+        return not model._closed and model._dead is None
+    return model.vllm_entrypoint is not None
+
+
+def shared_engine(path, tp, **kw):
+    import nnvllm as nv
+
+    args = engine_kwargs(tp, **kw)
+    key = (str(path), repr(sorted(args.items())))
+    held = _SHARED.get("engine")
+    if held is not None and held[0] == key and _is_open(held[1]):
+        return held[1]
+    release_shared_engine()
+    model = nv.load(path, **args)
+    _SHARED["engine"] = (key, model)
+    return model
+
+
+def release_shared_engine() -> None:
+    held = _SHARED.pop("engine", None)
+    if held is not None:
+        held[1].close()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _shared_engine_only_where_shared(request):
+    if not getattr(request.module, "SHARES_ENGINES", False):
+        release_shared_engine()
+    yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _shared_engine_closed_at_the_end():
+    yield
+    release_shared_engine()
+
+
 @pytest.fixture(scope="module")
-def toy(toy_path, tp):
+def toy(request, toy_path, tp):
+    if getattr(request.module, "SHARES_ENGINES", False):
+        yield shared_engine(toy_path, tp)
+        return
     model = _engine(toy_path, tp)
     yield model
     model.close()

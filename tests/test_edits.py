@@ -12,18 +12,19 @@ import pytest
 import torch
 
 import nnvllm as nv
-from conftest import engine_kwargs, same_values
+from conftest import same_values, shared_engine
 
 PROMPTS = ["The capital of France is", "Paris is the capital of"]
 TOL = 1e-3  # fp32, CPU; the fidelity fixture calibrates it on a GPU
 
 
+SHARES_ENGINES = True  # with test_vllm.py and test_stream.py (conftest.shared_engine)
+
+
 @pytest.fixture(scope="module", params=["toy", "llama"])
 def model(request, toy_path, tiny_paths, tp):
     path = toy_path if request.param == "toy" else tiny_paths["llama"]
-    m = nv.load(path, **engine_kwargs(tp))
-    yield request.param, path, m
-    m.close()
+    return request.param, path, shared_engine(path, tp)
 
 
 def _edits(d: int, d_mlp: int, n_layers: int):

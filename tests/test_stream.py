@@ -12,19 +12,21 @@ import pytest
 import torch
 
 import nnvllm as nv
-from conftest import engine_kwargs, same_values
+from conftest import same_values, shared_engine
 from nnvllm.analyses import unembedding
 from nnvllm.lens import lens_topk
 
 PROMPTS = ["The capital of France is", "Paris is the capital of", "The capital of Italy is"]
 
 
-@pytest.fixture(scope="module", params=["toy", "llama"])
+SHARES_ENGINES = True  # with test_vllm.py and test_edits.py (conftest.shared_engine)
+
+
+# llama first: after test_edits.py (toy, llama) the llama engine is still open
+@pytest.fixture(scope="module", params=["llama", "toy"])
 def model(request, toy_path, tiny_paths, tp):
     path = toy_path if request.param == "toy" else tiny_paths["llama"]
-    m = nv.load(path, **engine_kwargs(tp))
-    yield request.param, m
-    m.close()
+    return request.param, shared_engine(path, tp)
 
 
 def check_steps_match_run(m, steps, run) -> None:
