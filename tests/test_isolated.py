@@ -7,7 +7,7 @@ protocol, security (token, loopback), lifecycle (close, context manager), faults
 mid-request, killed engine) and attaching to a running server.
 
 Engine start in its own process takes ~20-30 s on the 2-core CPU machine; one engine is shared.
-The five loads in a row, a hanging start and the parent watch are in test_isolated_lifecycle.py.
+Loads in a row, a hanging start and the parent watch are in test_isolated_lifecycle.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import torch
 
 import nnvllm as nv
 import test_analyses
+import test_bad_input
 import test_capture
+import test_interrupt
 from conftest import engine_kwargs
 
 CLEAN, CORRUPT = "The capital of France is", "The capital of Italy is"
@@ -263,42 +265,6 @@ def test_keyboard_interrupt_mid_request_leaves_the_engine_usable(iso):
     assert int(lg.cpu().argmax()) == run.tokens[0][0]
 
 
-def test_a_killed_engine_raises_engine_died_and_restart_brings_it_back(iso):
-    # The server process killed (as by the OOM killer): its EngineCore would be left running.
-    old = iso._server
-    pids = [p.pid for p in old.members()]
-    os.kill(iso.pid, signal.SIGKILL)
-    # Its EngineCore ends on its own within seconds, before any call notices (issue 15, item 9).
-    rest = [p for p in pids if p != iso.pid]
-    deadline = time.time() + 10
-    while _alive(rest) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not _alive(rest), "the engine's processes outlived their killed server"
-    with pytest.raises(nv.EngineDied, match=r"SIGKILL(.|\n)*model\.restart\(\)") as e:
-        nv.generate(iso, CLEAN, max_tokens=1)
-    assert isinstance(e.value, RuntimeError)
-    time.sleep(0.5)
-    assert not _alive(pids)
-    with pytest.raises(nv.EngineDied):  # it stays dead, with the same message, for traces too
-        with iso.trace(CLEAN, max_tokens=1):
-            iso.logits.save()
-    assert iso.pid not in [e.pid for e in nv.engines()]
-
-    iso.restart()  # no kernel restart
-    assert nv.generate(iso, CLEAN, max_tokens=1, layers=None).text == [" Paris"]
-
-    # Only vLLM's EngineCore killed: the HTTP server lives on, its engine does not.
-    core = [p for p in iso._server.members() if "EngineCore" in p.name()]
-    assert core, [p.name() for p in iso._server.members()]
-    pids = [p.pid for p in iso._server.members()]
-    core[0].kill()
-    core[0].wait(10)
-    with pytest.raises(nv.EngineDied, match="engine core stopped"):
-        nv.generate(iso, CLEAN, max_tokens=1)
-    time.sleep(0.5)  # the server, which was still up, was ended with the rest of the group
-    assert not _alive(pids)
-
-
 @pytest.mark.tp
 def test_tensor_parallel_isolated_engine_matches_transformers(toy_path, fidelity):
     prompts = [CLEAN, "The Eiffel Tower is in the city of"]
@@ -318,8 +284,6 @@ def test_tensor_parallel_isolated_engine_matches_transformers(toy_path, fidelity
 def test_an_error_reply_then_a_call_at_once_finds_the_engine_alive(iso):
     # A request the server cannot handle (here a malformed body) gets a 500 and the server may close
     # the kept-alive connection; the next call must not read that as the engine dying (issue 15, 2).
-    if iso._dead is not None:  # the test above ends with its engine core killed
-        iso.restart()
     with pytest.raises(ConnectionError, match="500"):
         iso._connection().request("POST", "/v1/nnvllm/unembed", json={})
     for _ in range(3):
@@ -431,3 +395,69 @@ def test_hand_off_files_of_dropped_runs_are_reused_and_kept_runs_never_overwritt
     assert not a_files & c_files
     assert torch.equal(a.resid[0], want[0]) and torch.equal(a.logits[0], want[1])
     assert torch.equal(a.samples[0].probs, want[2])
+
+
+# ---------------------------------------------------------------- from other files, on this engine
+# Each of these started an isolated engine of its own in its file (~25 s each on the 2-core machine).
+
+
+@pytest.fixture(scope="module")
+def clean_answer(iso) -> str:
+    return nv.generate(iso, CLEAN, max_tokens=2).text[0]
+
+
+@pytest.mark.parametrize("row", test_bad_input.ISOLATED_ROWS, ids=test_bad_input._id)
+def test_bad_argument_never_reaches_an_isolated_engine(iso, clean_answer, row):
+    """test_bad_input.py's table, a representative part: refused in the notebook, the engine answers on."""
+    test_bad_input._refused_then_still_answers(iso, clean_answer, *row)
+
+
+def test_interrupt_isolated(iso):
+    """test_interrupt.py's Ctrl-C case: the engine is in another process: interrupt 0.3 s into a call
+    of 256 requests x 58 tokens (on CPU). A GPU finishes such a call in about that time, so there the
+    delay is 30% of an uninterrupted call's measured duration."""
+    delay = 0.3
+    if torch.cuda.is_available():
+        t = time.perf_counter()
+        nv.generate(iso, test_interrupt.PROMPTS * 16, max_tokens=58, ignore_eos=True)
+        delay = 0.3 * (time.perf_counter() - t)
+    test_interrupt._interrupt_then_check(iso, lambda: True, delay=delay)
+
+
+# ---------------------------------------------------------------- last: it leaves the engine dead
+
+
+def test_a_killed_engine_raises_engine_died_and_restart_brings_it_back(iso):
+    # The server process killed (as by the OOM killer): its EngineCore would be left running.
+    old = iso._server
+    pids = [p.pid for p in old.members()]
+    os.kill(iso.pid, signal.SIGKILL)
+    # Its EngineCore ends on its own within seconds, before any call notices (issue 15, item 9).
+    rest = [p for p in pids if p != iso.pid]
+    deadline = time.time() + 10
+    while _alive(rest) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _alive(rest), "the engine's processes outlived their killed server"
+    with pytest.raises(nv.EngineDied, match=r"SIGKILL(.|\n)*model\.restart\(\)") as e:
+        nv.generate(iso, CLEAN, max_tokens=1)
+    assert isinstance(e.value, RuntimeError)
+    time.sleep(0.5)
+    assert not _alive(pids)
+    with pytest.raises(nv.EngineDied):  # it stays dead, with the same message, for traces too
+        with iso.trace(CLEAN, max_tokens=1):
+            iso.logits.save()
+    assert iso.pid not in [e.pid for e in nv.engines()]
+
+    iso.restart()  # no kernel restart
+    assert nv.generate(iso, CLEAN, max_tokens=1, layers=None).text == [" Paris"]
+
+    # Only vLLM's EngineCore killed: the HTTP server lives on, its engine does not.
+    core = [p for p in iso._server.members() if "EngineCore" in p.name()]
+    assert core, [p.name() for p in iso._server.members()]
+    pids = [p.pid for p in iso._server.members()]
+    core[0].kill()
+    core[0].wait(10)
+    with pytest.raises(nv.EngineDied, match="engine core stopped"):
+        nv.generate(iso, CLEAN, max_tokens=1)
+    time.sleep(0.5)  # the server, which was still up, was ended with the rest of the group
+    assert not _alive(pids)
