@@ -1021,6 +1021,8 @@ def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFi
 
 # Client side: recycled hand-off files (see _Spares) whose tensors are all gone, to name in the next call.
 _RETURNED: set[str] = set()
+# path -> how many times this process has mapped it: only the finalizer of its latest mapping returns it
+_MAPPED: dict[str, int] = {}
 
 
 def returned_files() -> list[str]:
@@ -1028,8 +1030,15 @@ def returned_files() -> list[str]:
     paths = _RETURNED.copy()  # (one C call: a finalizer adding a path cannot interleave)
     for p in [p for p in paths if not os.path.exists(p)]:  # its engine let it go, or ended
         _RETURNED.discard(p)
+        _MAPPED.pop(p, None)
         paths.discard(p)
     return sorted(paths)
+
+
+def _return(path: str, mapping: int) -> None:
+    """Finalizer of a kept file's mapping: the file goes back unless it was handed over (and mapped) again."""
+    if _MAPPED.get(path) == mapping:
+        _RETURNED.add(path)
 
 
 def taken_back(paths) -> None:
@@ -1045,7 +1054,14 @@ def _map_kept(path: str, nbytes: int) -> torch.Tensor:
     with open(path, "r+b") as fh:
         mm = mmap.mmap(fh.fileno(), nbytes)
     arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)  # torch.from_numpy keeps arr while any view lives
-    weakref.finalize(arr, _RETURNED.add, path)
+    # The file is in use again. A call that ended without its hand-off (a stream left early, an
+    # interrupt, an error) never heard which returned files the engine took back, so this path may
+    # still be listed as returned: named in the next call, the engine would hand it over a second
+    # time, over this mapping's values. And a finalizer of an older mapping of the same file, run
+    # late (a cycle), must not return it either.
+    mapping = _MAPPED[path] = _MAPPED.get(path, 0) + 1
+    _RETURNED.discard(path)
+    weakref.finalize(arr, _return, path, mapping)
     return torch.from_numpy(arr)
 
 

@@ -397,6 +397,34 @@ def test_hand_off_files_of_dropped_runs_are_reused_and_kept_runs_never_overwritt
     assert torch.equal(a.samples[0].probs, want[2])
 
 
+def test_a_call_left_early_never_has_a_held_runs_files_handed_over_again(iso):
+    """A call that ends without its hand-off (here a stream left early) never hears which returned
+    files the engine took back: they stayed listed as returned, and once the engine had handed them
+    over to a later Run, the next call named them again and the engine wrote over that Run (seen in
+    the suite with three workers: a held Run's sampling probabilities held another run's values)."""
+    import gc
+
+    from nnvllm import _worker
+
+    for i in range(3):
+        r = nv.generate(iso, CLEAN, max_tokens=3)
+        dropped = _files_of(r.resid[0], r.logits[0], r.samples[0].probs)
+        del r
+        gc.collect()
+        assert dropped <= set(_worker.returned_files())
+        for _ in nv.stream(iso, [CLEAN], max_tokens=20, ignore_eos=True):
+            break  # the stream's call named `dropped` and the engine took them back; no hand-off came
+        a = nv.generate(iso, CORRUPT, max_tokens=3)
+        want = a.resid[0].clone(), a.logits[0].clone(), a.samples[0].probs.clone()
+        held = _files_of(a.resid[0], a.logits[0], a.samples[0].probs)
+        assert not held & set(_worker.returned_files()), f"round {i}: a held Run's files are listed as returned"
+        b = nv.generate(iso, CLEAN, max_tokens=3)
+        assert torch.equal(a.resid[0], want[0]) and torch.equal(a.logits[0], want[1])
+        assert torch.equal(a.samples[0].probs, want[2]), f"round {i}: a held Run was written over"
+        del a, b
+        gc.collect()
+
+
 # ---------------------------------------------------------------- from other files, on this engine
 # Each of these started an isolated engine of its own in its file (~25 s each on the 2-core machine).
 
