@@ -50,18 +50,19 @@ def pytest_collection_modifyitems(config, items):
 SPLIT_BY_CASE = ("tests/test_families.py",)
 
 
-# Seconds each test file takes on the 2-core CPU machine at TP=1 (junit, 2026-12-01; test_browser.py
-# with chromium present; test_families.py in all, its cases dealt out one by one). Workers take the
-# slowest units first (longest-first scheduling): xdist's default order, the files with the most
-# tests first, left test_isolated_lifecycle.py's 3 tests (~150 s) to the end, one worker running
-# them alone. A file not listed counts as 0 s and goes last; re-measure when a file's cost moves.
+# Seconds each test file takes on the 2-core CPU machine at TP=1 (junit of a 2-worker run, 2026-12-01,
+# chromium present; test_families.py in all, its cases dealt out one by one; test_isolated.py since
+# it took over the isolated cases of test_bad_input.py and test_interrupt.py: estimated from a
+# 3-worker run's shares). Workers take the slowest units first (longest-first scheduling): xdist's
+# default order, the files with the most tests first, left test_isolated_lifecycle.py's 3 tests
+# (~150 s) to the end, one worker running them alone. A file not listed counts as 0 s and goes
+# last; re-measure when a file's cost moves.
 FILE_SECONDS = {
-    "test_isolated.py": 184, "test_families.py": 173, "test_isolated_lifecycle.py": 147,
-    "test_browser.py": 120, "test_bad_input.py": 64, "test_engine.py": 55, "test_edits.py": 44,
-    "test_capture.py": 43, "test_docs.py": 37, "test_capture_scheduling.py": 32, "test_interrupt.py": 30,
-    "test_bad_input_more.py": 30, "test_pure.py": 24, "test_engines_list.py": 24, "test_widgets.py": 19,
-    "test_compat.py": 16, "test_analyses.py": 15, "test_analyses_llama.py": 14, "test_stream.py": 11,
-    "test_store.py": 11, "test_vllm.py": 6,
+    "test_isolated.py": 230, "test_browser.py": 160, "test_isolated_lifecycle.py": 145, "test_families.py": 120,
+    "test_engine.py": 55, "test_docs.py": 40, "test_edits.py": 42, "test_capture.py": 35,
+    "test_capture_scheduling.py": 32, "test_bad_input_more.py": 25, "test_pure.py": 22, "test_engines_list.py": 22,
+    "test_bad_input.py": 20, "test_widgets.py": 19, "test_compat.py": 17, "test_analyses_llama.py": 15,
+    "test_stream.py": 12, "test_analyses.py": 12, "test_store.py": 11, "test_interrupt.py": 10, "test_vllm.py": 8,
 }
 
 
