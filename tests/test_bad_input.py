@@ -2,8 +2,8 @@
 
 Every bad argument is refused on the client, before the engine sees it, with an error that names
 the argument; after each refusal the same engine still answers a clean prompt exactly as before.
-One in-process engine runs the whole table, then one isolated engine a representative part of it;
-the two never run at the same time.
+One in-process engine runs the whole table; tests/test_isolated.py runs a representative part of it
+(ISOLATED_ROWS) on its isolated engine.
 """
 
 from __future__ import annotations
@@ -105,22 +105,11 @@ ISOLATED_ROWS = [r for r in ROWS if _id(r) in ISOLATED]
 
 
 @pytest.fixture(scope="module")
-def engines(toy_path):
-    """``get(isolate)``: the module's engine of that kind; the other is closed first (one at a time)."""
-    held: dict = {}
-
-    def get(isolate: bool):
-        if isolate not in held:
-            for m, _ in held.values():
-                m.close()
-            held.clear()
-            model = nv.load(toy_path, isolate=isolate, **engine_kwargs(1))
-            held[isolate] = (model, nv.generate(model, CLEAN, max_tokens=2).text[0])
-        return held[isolate]
-
-    yield get
-    for model, _ in held.values():
-        model.close()
+def engine(toy_path):
+    """The module's in-process engine and its answer to CLEAN (the isolated rows run in test_isolated.py)."""
+    model = nv.load(toy_path, isolate=False, **engine_kwargs(1))
+    yield model, nv.generate(model, CLEAN, max_tokens=2).text[0]
+    model.close()
 
 
 def _refused_then_still_answers(model, before: str, kwargs: dict, exc: type, needle: str) -> None:
@@ -132,22 +121,22 @@ def _refused_then_still_answers(model, before: str, kwargs: dict, exc: type, nee
     assert after == before and after.startswith(" Paris")
 
 
-def test_the_engine_is_sane_before_the_table(engines):
-    _, before = engines(False)
+def test_the_engine_is_sane_before_the_table(engine):
+    _, before = engine
     assert before.startswith(" Paris")
 
 
 @pytest.mark.parametrize("row", ROWS, ids=_id)
-def test_bad_argument_is_refused_and_the_engine_lives_on(engines, row):
-    model, before = engines(False)
+def test_bad_argument_is_refused_and_the_engine_lives_on(engine, row):
+    model, before = engine
     _refused_then_still_answers(model, before, *row)
 
 
-def test_valid_edge_values_still_run(engines):
+def test_valid_edge_values_still_run(engine):
     """The checks let through what worked before: numpy numbers, the largest seed, negative layers."""
     import numpy as np
 
-    model, before = engines(False)
+    model, before = engine
     run = nv.generate(model, [CLEAN], max_tokens=np.int64(2), temperature=np.float32(0.0), top_p=1,
                       seed=2**63 - 1, layers=[-1, np.int64(0)], sites="mlp", logits=np.bool_(True))
     assert run.text[0] == before and run.layers == [5, 0] and list(run.sites) == ["mlp"]
