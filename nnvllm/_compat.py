@@ -254,6 +254,11 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
     Touch("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading", "_compat.py",
           "skipped on the client's meta tree (tolerant_meta_weight_processing)"),
     Touch("vllm.v1.engine.async_llm", "AsyncLLM", "engine.py, server.py", "the isolated engine"),
+    Touch("vllm.v1.engine.core_client", "AsyncMPClient.pause_scheduler_async", "server.py",
+          "hold the scheduler while a call's requests go in, so they run as one batch"),
+    Touch("vllm.v1.engine.core_client", "AsyncMPClient.resume_scheduler_async", "server.py", "release it"),
+    Touch("vllm.v1.engine.output_processor", "OutputProcessor", "server.py",
+          "which of a call's requests are in (by the caller's request id)", set_in_init=("external_req_ids",)),
     # torch
     Touch("torch.distributed.rendezvous", "TCPStore", "_compat.py", "bind the rendezvous store to loopback"),
 )

@@ -319,7 +319,7 @@ class _Capture:
         # files of the client's dropped Runs, ready again (see _Spares); the client hears which
         self.taken_back = _SPARES.take_back(spec.get("returned")) if remote else []
         self.timings: dict[str, float] = {}
-        self.stats = {"rows": 0, "partial_prefills": 0, "eager": bool(self.need_eager)}
+        self.stats = {"rows": 0, "partial_prefills": 0, "steps": 0, "batch_changes": 0, "eager": bool(self.need_eager)}
         # nv.stream: positions computed per request (kept only when streaming) and how far peek() went
         self.streaming = bool(spec.get("stream"))
         self.done: dict[str, int] = {}
@@ -431,11 +431,13 @@ class _Capture:
             # offset, logits-row offset, prompt length. Steady decode steps skip this.
             ents = [self.requests.get(r) or self._place(r) for r in ids]
             self.last_ids = list(ids)
+            self.stats["batch_changes"] += 1
             self.tab = np.array([[e[0], e[1], e[3], e[4]] for e in ents], dtype=np.int64)
         counts = np.diff(qsl)
         tok_req = np.repeat(np.arange(n), counts)
         # Bookkeeping the tests read (host-side numbers only): rows placed, prompt chunks seen.
         self.stats["rows"] += ntok
+        self.stats["steps"] += 1
         done = runner.input_batch.num_computed_tokens_cpu[:n] + counts
         self.stats["partial_prefills"] += int((done < self.tab[:, 3]).sum())
         if self.streaming:  # (a loop over the batch's requests: only when a stream will peek)

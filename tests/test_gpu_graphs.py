@@ -1,8 +1,15 @@
 """An engine that replays CUDA graphs captures and patches exactly what the eager engine does (GPU only).
 
-Measured on an H200 with benchmarks/capture_gpu.py (random fp16 Llama-1B and GPT-2-small shapes):
-every residual and logit bit-identical between ``cuda_graphs=True`` and ``cuda_graphs=False``.
-This test keeps that true on the toy model, in fp32, and runs ``nv.patch`` on both engines (its
+Measured on an H200 with benchmarks/capture_gpu.py (``graphs_vs_eager``): on the random fp16 Llama-1B
+shape every residual and logit bit-identical between ``cuda_graphs=True`` and ``cuda_graphs=False``
+(2026-11-30 run B, lane I); on the GPT-2-small shape bit-identical on 2026-11-30 (run A), and in lane I
+up to 0.0024 apart in the residuals and 0.0043 in the logits, same tokens
+(``benchmarks/results/gpu/lane_i/gpt2s.json``). On the toy model in fp32 this
+test found the residuals and sites bit-identical in every lane, and the logits too until lane I,
+where one request's logits differed (the assert was ``torch.equal``, so by how much is unknown).
+Issue 9 asks graphs to match eager within rounding, so the residuals and sites stay bit-identical
+here and the logits are held to 1e-4 (the bound of the steering check below; a logits row from a
+wrong step or request would be off by whole units). It also runs ``nv.patch`` on both engines (its
 passes run eagerly on the graph engine: they carry an nnsight trace). Steering the residual stream
 runs inside the replayed graphs (``_Taps.gadd``): the steered generation must equal the eager
 engine's, and must not have fallen back to eager steps.
@@ -49,7 +56,8 @@ def test_graph_engine_captures_and_patches_what_the_eager_engine_does(toy_path):
     assert graphs.tokens == eager.tokens
     for i in range(len(eager)):
         assert torch.equal(graphs.resid[i], eager.resid[i])
-        assert torch.equal(graphs.logits[i], eager.logits[i])
+        gap = float((graphs.logits[i] - eager.logits[i]).abs().max())
+        assert gap < 1e-4, f"request {i}: graph-engine logits {gap:.3g} from the eager engine's"
         for s in ("attn", "mlp_act"):
             assert torch.equal(graphs.sites[s][i], eager.sites[s][i])
     # nv.patch's traces run eagerly on both engines. Its results were bit-identical in one H200 run

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 here = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent)
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # benchmarks/
 from capture_gpu import _ratios  # noqa: E402
 
 a, b = (json.loads((here / f"llama1b_{p}.json").read_text()) for p in "ab")
