@@ -168,6 +168,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         res[name] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True), repeats,
                            snap=lambda: dict(capture._LAST_TIMINGS))
         res[name + "_worker_timings"] = dict(capture._LAST_TIMINGS)  # the last call's
+        res[name + "_stats"] = dict(capture._LAST_STATS)  # its engine steps and batch changes (one batch: 1)
         run = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True)
         assert run.resid[0].shape == (L, PROMPT_LEN + T - 1, SHAPES[shape]["d"]), run.resid[0].shape
         if extra.get("save"):
