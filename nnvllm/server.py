@@ -110,7 +110,7 @@ async def _start_together(engine, ids: list[str], tasks: list, start) -> None:
     """
     core = engine.engine_core
     added = getattr(getattr(engine, "output_processor", None), "external_req_ids", None)  # by the caller's id
-    if added is None or not hasattr(core, "pause_scheduler_async"):
+    if len(ids) < 2 or added is None or not hasattr(core, "pause_scheduler_async"):  # (one request: one batch)
         tasks.extend(start())
         return
     _unwaited(core.pause_scheduler_async(mode="keep", clear_cache=False))
