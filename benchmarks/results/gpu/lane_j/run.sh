@@ -29,11 +29,11 @@ start=$(date +%s)
 case "${1:?confirm, big, a, b or tp}" in
   confirm)
     timeout -k 5 "${BENCH_TIMEOUT:-330}" python3 benchmarks/capture_gpu.py --shape gpt2s --prompts 64 --tokens 32 \
-      --timeout 110 --root /tmp/b0 --out "$R/gpt2s.json" --cases nv_graphs,nv_isolated,nv_eager,nv_isolated_eager \
+      --timeout 110 --root /tmp/b0 --out "$R/gpt2s.json" --cases ${GPT2_CASES:-nv_graphs,nv_isolated,nv_eager,nv_isolated_eager} \
       > "$R/gpt2s.log" 2>&1
     left=$(( ${CONFIRM_TIMEOUT:-570} - ($(date +%s) - start) - 5 ))
     timeout -k 5 "$left" python3 benchmarks/capture_gpu.py --shape llama1b --prompts 64 --tokens 128 \
-      --timeout 120 --root /tmp/b0 --out "$R/llama1b.json" --cases nv_graphs,nv_isolated > "$R/llama1b.log" 2>&1 ;;
+      --timeout 120 --root /tmp/b0 --out "$R/llama1b.json" --cases ${LLAMA_CASES:-nv_graphs,nv_isolated} > "$R/llama1b.log" 2>&1 ;;
   big)
     mkdir -p /tmp/b0
     { echo "# dd 4 GiB, oflag=direct"; dd if=/dev/zero of=/tmp/b0/dd.bin bs=16M count=256 oflag=direct 2>&1 | tail -1
