@@ -24,7 +24,8 @@ batch, then the median of ``--repeats``):
 - ``bare_nocompile``: ``vllm.LLM`` with the settings of nnvllm's graph engine (no torch.compile, full
   CUDA graphs for decode), nothing captured: the part of nnvllm's cost that is not nnsight's runner.
 - ``nv_graphs``: ``nv.generate`` on nnvllm's in-process engine (``cuda_graphs=True``); the
-  same process also times ``model.llm.generate`` (nnvllm's engine, nothing captured).
+  same process also times ``model.llm.generate`` (nnvllm's engine, nothing captured) and, as
+  ``<case>_tokens``, ``nv.generate`` keeping only tokens and samples (every ``nv_*`` case).
 - ``nv_eager``: the same with ``cuda_graphs=False``.
 - ``nv_isolated``: ``nv.generate`` on an isolated engine (``isolate=True``, graphs on).
 - ``nv_isolated_eager``: the same with ``cuda_graphs=False``.
@@ -169,6 +170,10 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                            snap=lambda: dict(capture._LAST_TIMINGS))
         res[name + "_worker_timings"] = dict(capture._LAST_TIMINGS)  # the last call's
         res[name + "_stats"] = dict(capture._LAST_STATS)  # its engine steps and batch changes (one batch: 1)
+        # Tokens and samples only (no activations, no logits): the engine's and the transport's own
+        # cost, without the recording and the hand-off (isolated vs in-process: where the gap is).
+        res[name + "_tokens"] = _timed(
+            lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False), repeats)
         run = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True)
         assert run.resid[0].shape == (L, PROMPT_LEN + T - 1, SHAPES[shape]["d"]), run.resid[0].shape
         if extra.get("save"):
@@ -369,6 +374,11 @@ def _ratios(out: dict) -> None:
             r[f"x {base}"] = {k: v / s[base] for k, v in s.items() if isinstance(v, float)}
     if isinstance(s.get("nv_isolated"), float) and isinstance(s.get("nv_graphs"), float):
         r["isolated / in-process"] = s["nv_isolated"] / s["nv_graphs"]
+        a, b = out.get("all", {}).get("nv_isolated"), out.get("all", {}).get("nv_graphs")
+        if a and b:
+            r["isolated / in-process, fastest calls"] = min(a) / min(b)
+    if isinstance(s.get("nv_isolated_tokens"), float) and isinstance(s.get("nv_graphs_tokens"), float):
+        r["isolated / in-process, tokens only"] = s["nv_isolated_tokens"] / s["nv_graphs_tokens"]
     if isinstance(s.get("nv_isolated_eager"), float) and isinstance(s.get("nv_eager"), float):
         r["isolated / in-process, eager"] = s["nv_isolated_eager"] / s["nv_eager"]
     for c in ("nv_steer", "nv_steer_eager"):

@@ -5,11 +5,13 @@ shape every residual and logit bit-identical between ``cuda_graphs=True`` and ``
 (2026-11-30 run B, lane I); on the GPT-2-small shape bit-identical on 2026-11-30 (run A), and in lane I
 up to 0.0024 apart in the residuals and 0.0043 in the logits, same tokens
 (``benchmarks/results/gpu/lane_i/gpt2s.json``). On the toy model in fp32 this
-test found the residuals and sites bit-identical in every lane, and the logits too until lane I,
-where one request's logits differed (the assert was ``torch.equal``, so by how much is unknown).
-Issue 9 asks graphs to match eager within rounding, so the residuals and sites stay bit-identical
-here and the logits are held to 1e-4 (the bound of the steering check below; a logits row from a
-wrong step or request would be off by whole units). It also runs ``nv.patch`` on both engines (its
+test found the residuals and sites bit-identical in lanes G and I; in lane I one request's logits
+differed, and in lane J (2026-12-01) the residuals did too (``torch.equal`` failed; the gap was not
+printed). Bit-identity across the two engines is not promised by either: the graph engine pads a
+decode batch to a captured size and the GEMMs may pick other kernels for it, which rounds fp32
+differently. Issue 9 asks graphs to match eager within rounding, so residuals, sites and logits are
+held to 1e-4 and the gap is printed (a row from a wrong step or request would be off by whole units).
+It also runs ``nv.patch`` on both engines (its
 passes run eagerly on the graph engine: they carry an nnsight trace). Steering the residual stream
 runs inside the replayed graphs (``_Taps.gadd``): the steered generation must equal the eager
 engine's, and must not have fallen back to eager steps.
@@ -54,12 +56,14 @@ def test_graph_engine_captures_and_patches_what_the_eager_engine_does(toy_path):
     eager, eager_patch, (eager_steered, _, eager_after) = _capture(toy_path, graphs=False)
     graphs, graphs_patch, (graphs_steered, steered_eager, graphs_after) = _capture(toy_path, graphs=True)
     assert graphs.tokens == eager.tokens
+    gaps: dict = {}
     for i in range(len(eager)):
-        assert torch.equal(graphs.resid[i], eager.resid[i])
-        gap = float((graphs.logits[i] - eager.logits[i]).abs().max())
-        assert gap < 1e-4, f"request {i}: graph-engine logits {gap:.3g} from the eager engine's"
-        for s in ("attn", "mlp_act"):
-            assert torch.equal(graphs.sites[s][i], eager.sites[s][i])
+        for what, g, e in [("resid", graphs.resid[i], eager.resid[i]), ("logits", graphs.logits[i], eager.logits[i]),
+                           *((s, graphs.sites[s][i], eager.sites[s][i]) for s in ("attn", "mlp_act"))]:
+            gaps[what] = max(gaps.get(what, 0.0), float((g - e).abs().max()))
+    print("graph engine vs eager engine, largest gap over the requests:", gaps)  # the lane logs it (-s)
+    for what, gap in gaps.items():
+        assert gap < 1e-4, f"graph-engine {what} {gap:.3g} from the eager engine's (largest over the requests)"
     # nv.patch's traces run eagerly on both engines. Its results were bit-identical in one H200 run
     # (lane_b) and ~1e-4 apart in another (bench_c: -6.8381 vs -6.8382 in one cell): two eager runs of
     # the same batch, not graphs against eager. Within fp32 rounding of a logit difference of ~7.

@@ -9,6 +9,7 @@
 #   bash run.sh a        half A of the engine suite (8 xdist workers) beside the six notebooks (3 workers)
 #   bash run.sh b        half B of the engine suite (test_gpu_graphs.py reports its logits gap now)
 #   bash run.sh tp       on nvidia-h200-x2 only: STAGES="tp_vllm tp_isolated" TP=2
+#   bash run.sh again    (added in session 10 after the first lease) see the case below
 # One H200 and 30 min of device time: staging (~70 s), confirm, big, a, b fit (lane G: a 587 s, b 188 s).
 # Run from the repository root after `source /root/nnvllm-gpu.env && export PYTHONPATH=$PWD:$PYTHONPATH`
 # (staged with `bash ../shared/gpu/bundle.sh .gpu ipywidgets nbmake ipykernel`).
@@ -53,6 +54,14 @@ case "${1:?confirm, big, a, b or tp}" in
     suite_env
     ( OUT="$R/engine_b" STAGES=engine STAGE_TIMEOUT="${ENGINE_TIMEOUT:-400}" TESTS="$(echo $B)" \
         PYTEST_ARGS="--durations=40 -o faulthandler_timeout=380" bash scripts/test_gpu.sh > /dev/null 2>&1 ) ;;
+  again)  # second lease of session 10: the graph-vs-eager test with its gaps printed; GPT-2 isolated with 7 repeats
+    suite_env
+    ( OUT="$R/again" STAGES=engine STAGE_TIMEOUT=200 TESTS=tests/test_gpu_graphs.py PYTEST_ARGS="-s" \
+        bash scripts/test_gpu.sh > /dev/null 2>&1 )
+    timeout -k 5 "${BENCH_TIMEOUT:-300}" python3 benchmarks/capture_gpu.py --shape gpt2s --prompts 64 --tokens 32 \
+      --repeats 7 --timeout 110 --root /tmp/b0 --out "$R/again/gpt2s.json" \
+      --cases nv_graphs,nv_isolated,bare_nocompile > "$R/again/gpt2s.log" 2>&1
+    python3 -c "import json; d=json.load(open('$R/again/gpt2s.json')); print(json.dumps(d['ratios'], indent=1))" ;;
   tp)
     suite_env
     ( OUT="$R/tp" STAGES="tp_vllm tp_isolated" TP=2 STAGE_TIMEOUT="${TP_TIMEOUT:-280}" \
