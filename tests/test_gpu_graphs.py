@@ -9,8 +9,9 @@ test found the residuals and sites bit-identical in lanes G and I; in lane I one
 differed, and in lane J (2026-12-01) the residuals did too (``torch.equal`` failed; the gap was not
 printed). Bit-identity across the two engines is not promised by either: the graph engine pads a
 decode batch to a captured size and the GEMMs may pick other kernels for it, which rounds fp32
-differently. Issue 9 asks graphs to match eager within rounding, so residuals, sites and logits are
-held to 1e-4 and the gap is printed (a row from a wrong step or request would be off by whole units).
+differently. Lane J's second lease measured the gap: residuals within 1e-4 (their assert, checked first,
+passed), logits 2.0e-4 apart (absolute; the toy's logits reach ~11.5 on CPU transformers). So residuals, sites and logits are held to ``REL`` of their
+scale, and the gaps are printed (a row from a wrong step or request would be off by whole units).
 It also runs ``nv.patch`` on both engines (its
 passes run eagerly on the graph engine: they carry an nnsight trace). Steering the residual stream
 runs inside the replayed graphs (``_Taps.gadd``): the steered generation must equal the eager
@@ -27,6 +28,16 @@ import nnvllm as nv
 pytestmark = pytest.mark.gpu
 
 PROMPTS = ["The capital of France is", "Paris is the capital of", "The capital of Italy is"]
+
+
+# Graphs against eager: each tensor's largest gap over its scale (its largest |value|, at least 1).
+# 1e-4 is a fifth of one fp16 rounding unit (2**-11 = 4.9e-4; issue 9: "within fp16 rounding with graphs
+# on") and ~6x the largest gap measured (lane J: logits 2.0e-4 apart at a scale of ~11.5, 1.7e-5).
+REL = 1e-4
+
+
+def _gap(a, b) -> float:
+    return float((a - b).abs().max() / max(1.0, float(b.abs().max())))
 
 
 def _steering(d: int):
@@ -60,10 +71,10 @@ def test_graph_engine_captures_and_patches_what_the_eager_engine_does(toy_path):
     for i in range(len(eager)):
         for what, g, e in [("resid", graphs.resid[i], eager.resid[i]), ("logits", graphs.logits[i], eager.logits[i]),
                            *((s, graphs.sites[s][i], eager.sites[s][i]) for s in ("attn", "mlp_act"))]:
-            gaps[what] = max(gaps.get(what, 0.0), float((g - e).abs().max()))
-    print("graph engine vs eager engine, largest gap over the requests:", gaps)  # the lane logs it (-s)
+            gaps[what] = max(gaps.get(what, 0.0), _gap(g, e))
+    print("graph engine vs eager engine, largest relative gap over the requests:", gaps)
     for what, gap in gaps.items():
-        assert gap < 1e-4, f"graph-engine {what} {gap:.3g} from the eager engine's (largest over the requests)"
+        assert gap < REL, f"graph-engine {what} {gap:.3g} of its scale from the eager engine's (largest over the requests)"
     # nv.patch's traces run eagerly on both engines. Its results were bit-identical in one H200 run
     # (lane_b) and ~1e-4 apart in another (bench_c: -6.8381 vs -6.8382 in one cell): two eager runs of
     # the same batch, not graphs against eager. Within fp32 rounding of a logit difference of ~7.
@@ -73,9 +84,9 @@ def test_graph_engine_captures_and_patches_what_the_eager_engine_does(toy_path):
     assert not steered_eager
     assert graphs_steered.tokens == eager_steered.tokens
     for i in range(len(eager)):
-        assert (graphs_steered.resid[i] - eager_steered.resid[i]).abs().max() < 1e-4
-        assert (graphs_steered.logits[i] - eager_steered.logits[i]).abs().max() < 1e-4
+        assert _gap(graphs_steered.resid[i], eager_steered.resid[i]) < REL
+        assert _gap(graphs_steered.logits[i], eager_steered.logits[i]) < REL
         n = len(graphs_steered.prompt_ids[i])
         assert (graphs_steered.resid[i][:, n:] - graphs.resid[i][:, n:]).abs().max() > 0.1  # it did steer
-        assert torch.equal(graphs_after.resid[i], graphs.resid[i])  # and left nothing armed
+        assert _gap(graphs_after.resid[i], graphs.resid[i]) < REL  # and left nothing armed (a steer: > 0.1)
     assert graphs_after.tokens == graphs.tokens == eager_after.tokens

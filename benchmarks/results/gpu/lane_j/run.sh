@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU lane J (written in session 9, 2026-12-01, for the next lease; NOT YET RUN). What lane I left open:
+# GPU lane J (written in session 9, run in session 10: results in ../README.md, "Tenth session"). What lane I left open:
 #   bash run.sh confirm  the isolated engine's one-batch fix (server._start_together), measured: the GPT-2-small
 #                        shape 64 x 32 (isolated was 1.44x in-process in lane I) and the Llama-1B shape 64 x 128,
 #                        in-process and isolated, graphs on and eager; each case alone on the GPU (~6 min)
