@@ -44,17 +44,19 @@ demo: setup
 	$(BIN)/jupyter nbconvert --to html --execute notebooks/01_logit_lens.ipynb --output-dir build/demo \
 	  --NbConvertBase.display_data_priority="['text/html','image/svg+xml','image/png','text/markdown','text/plain']"
 
-# Everything: unit + engine tests (TP=1), the seed's tests and the isolated TP test under TP=2,
-# notebooks, browser, docs. JOBS pytest workers (pytest-xdist) share the TP=1 tests file by file (a
-# file's engines stay in one process; test_families.py's families go one by one, tests/conftest.py) and the
-# notebooks; the TP=2 engines already use both cores.
+# Everything: unit + engine tests (TP=1), then side by side (scripts/side_by_side.sh) the seed's tests
+# and the isolated TP test under TP=2, the notebooks, and the docs build. JOBS pytest workers
+# (pytest-xdist) share the TP=1 tests file by file (a file's engines stay in one process;
+# test_families.py's families go one by one, tests/conftest.py) and the notebooks. The TP=2 stage alone
+# kept 1.2 of the 2 cores busy (249 s wall, 298 CPU-s), so it shares them with the notebooks.
 JOBS ?= 2
 test: setup browser
 	$(BIN)/python -m pytest -q -ra tests/ --tp 1 -n $(JOBS) --dist loadfile
-	$(BIN)/python -m pytest -q -ra tests/test_vllm.py tests/test_edits.py tests/test_stream.py \
-	  tests/test_isolated.py::test_tensor_parallel_isolated_engine_matches_transformers --tp $(TP)
-	$(BIN)/python -m pytest -q -ra --nbmake notebooks/ -n $(JOBS)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
+	bash scripts/side_by_side.sh \
+	  "TP=$(TP) tests" "$(BIN)/python -m pytest -q -ra tests/test_vllm.py tests/test_edits.py tests/test_stream.py \
+	    tests/test_isolated.py::test_tensor_parallel_isolated_engine_matches_transformers --tp $(TP)" \
+	  "notebooks" "$(BIN)/python -m pytest -q -ra --nbmake notebooks/ -n $(JOBS)" \
+	  "docs" "NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q"
 
 # The GPU lane (CUDA machine): engine suite, notebooks, and with GPU_TP=2 the tensor-parallel tests; logs
 # under $$OUT or benchmarks/results/gpu/. Uses python3 as is where it imports vllm and nnsight (the H200's

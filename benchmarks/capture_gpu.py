@@ -42,7 +42,8 @@ batch, then the median of ``--repeats``):
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
 
 ``--big N``: N prompts streamed to disk with ``nv.collect`` (memory budget ``--budget``) against
-bare generate of the same prompts on the same engine, and the notebook-process peak RSS.
+bare generate of the same prompts on the same engine, and the notebook-process peak RSS; with
+``--big-batches 64,128`` also the same collect at each ``batch_size``.
 
 Results are written to ``--out`` after every case (a killed command keeps what finished).
 """
@@ -255,9 +256,19 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         dt = time.perf_counter() - t
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         size = sum(f.stat().st_size for f in out.iterdir())
+        shards = [len(s["requests"]) for s in json.loads((out / "index.json").read_text())["shards"]]
         res["big"] = {"bare": bare["median"], "collect": dt, "ratio": dt / bare["median"], "bytes_on_disk": size,
-                      "requests": len(ds), "peak_rss_gib": peak, "rss_before_gib": rss0, "budget": extra["budget"]}
+                      "requests": len(ds), "peak_rss_gib": peak, "rss_before_gib": rss0, "budget": extra["budget"],
+                      "shard_requests": shards}
         shutil.rmtree(out, ignore_errors=True)
+        # The same collect in chunks of a given size: does a shorter unoverlapped tail (the last
+        # chunk's shard is written after the engine has finished) pay for the smaller batches?
+        for b in [int(x) for x in extra.get("big_batches", "").split(",") if x]:
+            t = time.perf_counter()
+            nv.collect(model, ps, out, max_tokens=T, ignore_eos=True, batch_size=b, progress=False)
+            dt = time.perf_counter() - t
+            res[f"big_batch_{b}"] = {"collect": dt, "ratio": dt / bare["median"]}
+            shutil.rmtree(out, ignore_errors=True)
         model.close()
         return res
     raise ValueError(name)
@@ -272,6 +283,8 @@ def main() -> None:
     ap.add_argument("--cases", default="bare_graphs,bare_eager,nv_graphs,nv_eager,nv_isolated,vllm_lens,hf_nnsight,nnsight_taps")
     ap.add_argument("--big", type=int, default=0)
     ap.add_argument("--budget", default="4GB")
+    ap.add_argument("--big-batches", default="", help="with --big: also collect with these batch_size values "
+                    "(comma-separated), each timed against the same bare run")
     ap.add_argument("--root", default="/tmp/nnvllm-bench")
     ap.add_argument("--timeout", type=float, default=240)
     ap.add_argument("--out", default=None, help="a JSON file; with --all, a folder")
@@ -284,7 +297,7 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     if args.all:
         return run_all(args)
-    extra = {"save": str(root), "disk": str(root), "budget": args.budget}
+    extra = {"save": str(root), "disk": str(root), "budget": args.budget, "big_batches": args.big_batches}
     if args.case:  # child
         res = case(args.case, args.path, args.shape, args.prompts, args.tokens, args.repeats, extra)
         print("RESULT " + json.dumps(res), flush=True)
@@ -310,7 +323,8 @@ def main() -> None:
         if c != "vllm_lens":
             env["VLLM_PLUGINS"] = ""  # vllm-lens loads into every vLLM process otherwise
         cmd = [sys.executable, __file__, "--case", c, "--path", path, "--shape", args.shape, "--prompts", str(n),
-               "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--root", args.root, "--budget", args.budget]
+               "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--root", args.root, "--budget", args.budget,
+               "--big-batches", args.big_batches]
         t = time.perf_counter()
         try:
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)

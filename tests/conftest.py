@@ -28,6 +28,8 @@ def tp(request) -> int:
 def pytest_collection_modifyitems(config, items):
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: its order is the order units are dealt out
         _slowest_first(items)
+    elif getattr(config.option, "dist", "no") == "no":  # one process (the TP=2 stage): engines in turn
+        _one_engine_start_each(items)
     tp = config.getoption("--tp")
     try:
         import torch
@@ -85,6 +87,30 @@ def _slowest_first(items) -> None:
 
     # stable: the tests of one file keep their order (module-scoped engines, parametrization)
     items.sort(key=lambda item: -seconds(item))
+
+
+def _one_engine_start_each(items) -> None:
+    """Run the tests of the engine-sharing modules (``SHARES_ENGINES``) checkpoint by checkpoint.
+
+    In one process the shared engine lives from module to module (shared_engine below), but pytest
+    keeps a module's parametrized cases together: test_vllm (toy), test_edits (toy, llama),
+    test_stream (llama, toy) started three TP=2 engines, toy twice (38 s on the 2-core CPU box). Here
+    the toy cases of all three run before the llama cases: two starts. Module fixtures are set up again
+    when a module is re-entered (cheap; the engine is the shared one). Other tests keep their places.
+    """
+    slots = [i for i, item in enumerate(items) if getattr(item.module, "SHARES_ENGINES", False)]
+    order: dict = {}
+    for i in slots:
+        order.setdefault(_checkpoint_of(items[i]), len(order))
+    moved = sorted((items[i] for i in slots), key=lambda item: order[_checkpoint_of(item)])  # stable
+    for i, item in zip(slots, moved):
+        items[i] = item
+
+
+def _checkpoint_of(item) -> str:
+    """The checkpoint an engine-sharing test runs on: its ``model`` parameter, else the toy model."""
+    callspec = getattr(item, "callspec", None)
+    return str(callspec.params.get("model", "toy")) if callspec is not None else "toy"
 
 
 @pytest.hookimpl(optionalhook=True)

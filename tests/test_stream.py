@@ -22,7 +22,7 @@ PROMPTS = ["The capital of France is", "Paris is the capital of", "The capital o
 SHARES_ENGINES = True  # with test_vllm.py and test_edits.py (conftest.shared_engine)
 
 
-# llama first: after test_edits.py (toy, llama) the llama engine is still open
+# (run toy first with the other engine-sharing modules, then llama: conftest._one_engine_start_each)
 @pytest.fixture(scope="module", params=["llama", "toy"])
 def model(request, toy_path, tiny_paths, tp):
     path = toy_path if request.param == "toy" else tiny_paths["llama"]
