@@ -9,9 +9,10 @@ test found the residuals and sites bit-identical in lanes G and I; in lane I one
 differed, and in lane J (2026-12-01) the residuals did too (``torch.equal`` failed; the gap was not
 printed). Bit-identity across the two engines is not promised by either: the graph engine pads a
 decode batch to a captured size and the GEMMs may pick other kernels for it, which rounds fp32
-differently. Lane J's second lease measured the gap: residuals within 1e-4 (their assert, checked first,
-passed), logits 2.0e-4 apart (absolute; the toy's logits reach ~11.5 on CPU transformers). So residuals, sites and logits are held to ``REL`` of their
-scale, and the gaps are printed (a row from a wrong step or request would be off by whole units).
+differently. Lane J's second lease measured the gap: residuals within 1e-4 (their assert, checked
+first, passed), logits 2.0e-4 apart (absolute; the toy's logits reach ~11.5 on CPU transformers).
+So residuals, sites and logits are held to ``REL`` of their scale, and the gaps are printed (a row
+from a wrong step or request would be off by whole units).
 It also runs ``nv.patch`` on both engines (its
 passes run eagerly on the graph engine: they carry an nnsight trace). Steering the residual stream
 runs inside the replayed graphs (``_Taps.gadd``): the steered generation must equal the eager
@@ -74,7 +75,7 @@ def test_graph_engine_captures_and_patches_what_the_eager_engine_does(toy_path):
             gaps[what] = max(gaps.get(what, 0.0), _gap(g, e))
     print("graph engine vs eager engine, largest relative gap over the requests:", gaps)
     for what, gap in gaps.items():
-        assert gap < REL, f"graph-engine {what} {gap:.3g} of its scale from the eager engine's (largest over the requests)"
+        assert gap < REL, f"graph-engine {what}: {gap:.3g} of its scale from the eager engine's (worst request)"
     # nv.patch's traces run eagerly on both engines. Its results were bit-identical in one H200 run
     # (lane_b) and ~1e-4 apart in another (bench_c: -6.8381 vs -6.8382 in one cell): two eager runs of
     # the same batch, not graphs against eager. Within fp32 rounding of a logit difference of ~7.
