@@ -98,7 +98,8 @@ def _one_engine_start_each(items) -> None:
     the toy cases of all three run before the llama cases: two starts. Module fixtures are set up again
     when a module is re-entered (cheap; the engine is the shared one). Other tests keep their places.
     """
-    slots = [i for i, item in enumerate(items) if getattr(item.module, "SHARES_ENGINES", False)]
+    slots = [i for i, item in enumerate(items)  # (a notebook item has no module)
+             if getattr(getattr(item, "module", None), "SHARES_ENGINES", False)]
     order: dict = {}
     for i in slots:
         order.setdefault(_checkpoint_of(items[i]), len(order))

@@ -9,21 +9,14 @@
 #   bash run.sh a        half A of the engine suite beside the six notebooks (lane J: 193 passed; 6 passed)
 #   bash run.sh b        half B, test_gpu_graphs.py included (lane J: its only failure, bound since changed)
 #   bash run.sh tp       on nvidia-h200-x2 only: the TP=2 stages
+# a, b and tp run lane_j/run.sh's modes of the same names (its ENGINE_TIMEOUT, NB_TIMEOUT, TP_TIMEOUT apply;
+# lane J ran a with 545 s each, b with 420 s), writing here.
 # One H200, 30 min of device time: staging (~70 s + the machine's start, ~150 s counted), iso, big, a, b.
 # From the repository root after `source /root/nnvllm-gpu.env && export PYTHONPATH=$PWD:$PYTHONPATH`.
 set -u
 R="${OUT:-benchmarks/results/gpu/lane_k}"
 mkdir -p "$R"
 export NNVLLM_NO_SETUP=1 VLLM_PLUGINS=""
-A="tests/test_isolated_lifecycle.py tests/test_isolated.py tests/test_docs.py tests/test_families.py
-   tests/test_widgets.py tests/test_stream.py tests/test_interrupt.py tests/test_analyses_llama.py tests/test_browser.py
-   tests/test_capture.py tests/test_compat.py tests/test_packaging.py tests/test_pure.py"
-B="tests/test_engines_list.py tests/test_bad_input.py tests/test_edits.py tests/test_engine.py tests/test_analyses.py
-   tests/test_bad_input_more.py tests/test_capture_scheduling.py tests/test_gpu_exact.py tests/test_gpu_graphs.py
-   tests/test_results_io.py tests/test_store.py tests/test_vllm.py"
-suite_env() {  # test engines: a fixed 1 GiB KV cache each, so many share a GPU
-  export NNVLLM_GPU_MEMORY_UTILIZATION=0.1 NNVLLM_KV_CACHE_MEMORY_BYTES=1073741824
-}
 start=$(date +%s)
 case "${1:?iso, big, a, b or tp}" in
   iso)
@@ -38,26 +31,12 @@ case "${1:?iso, big, a, b or tp}" in
     { dd if=/dev/zero of=/tmp/b0/dd.bin bs=16M count=256 conv=fsync 2>&1 | tail -1; rm -f /tmp/b0/dd.bin; } > "$R/disk.txt"
     timeout -k 5 "${BENCH_TIMEOUT:-400}" python3 benchmarks/capture_gpu.py --shape llama1b --big 1024 --tokens 128 \
       --timeout 380 --root /tmp/b0 --budget 8GB --big-batches 128,64 --out "$R/big.json" > "$R/big.log" 2>&1 ;;
-  a)
-    suite_env
-    ( OUT="$R/engine_a" STAGES=engine STAGE_TIMEOUT="${ENGINE_TIMEOUT:-545}" TESTS="$(echo $A)" \
-        PYTEST_ARGS="--durations=40 -o faulthandler_timeout=500" bash scripts/test_gpu.sh > /dev/null 2>&1 ) &
-    ( OUT="$R/notebooks" STAGES=notebooks STAGE_TIMEOUT="${NB_TIMEOUT:-545}" \
-        PYTEST_ARGS="--durations=10" bash scripts/test_gpu.sh > /dev/null 2>&1 ) &
-    wait ;;
-  b)
-    suite_env
-    ( OUT="$R/engine_b" STAGES=engine STAGE_TIMEOUT="${ENGINE_TIMEOUT:-420}" TESTS="$(echo $B)" \
-        PYTEST_ARGS="--durations=40 -o faulthandler_timeout=380" bash scripts/test_gpu.sh > /dev/null 2>&1 ) ;;
-  tp)
-    suite_env
-    ( OUT="$R/tp" STAGES="tp_vllm tp_isolated" TP=2 STAGE_TIMEOUT="${TP_TIMEOUT:-280}" \
-        PYTEST_ARGS="--durations=20" bash scripts/test_gpu.sh > /dev/null 2>&1 ) ;;
+  a|b|tp)  # the suite's halves, the notebooks and TP=2 as lane J ran them (its run.sh), results here
+    OUT="$R" bash "$(dirname "$0")/../lane_j/run.sh" "$1"
+    exit 0 ;;
 esac
 echo "wall $(( $(date +%s) - start )) s for '$1'" | tee "$R/wall_$1.txt"
 for f in "$R"/*.json; do
   [ -f "$f" ] && python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1], json.dumps({k: v for k, v in d.get('seconds', {}).items() if isinstance(v, (float, dict)) and not k.endswith(('timings', 'stats'))}), json.dumps(d.get('ratios')), {k: v[-400:] for k, v in d.get('errors', {}).items()})" "$f"
 done
-tail -n 3 "$R"/*/engine.txt "$R"/*/notebooks.txt "$R"/tp/*.txt 2>/dev/null
-grep -h -E "^(FAILED|ERROR) " "$R"/*/*.txt 2>/dev/null | head -40
 exit 0
