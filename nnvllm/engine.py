@@ -477,7 +477,7 @@ def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engi
         _cpu_environment(tp)
         engine_args = {**cpu_defaults(tp), **engine_args}
     quiet = cls is CPUModel and tp == 1 and mode == "sync" and not os.environ.get("NNVLLM_VERBOSE")
-    with real_stdout(), _c_stderr_to_log(quiet) as log, _one_gc_pass():
+    with real_stdout(), _c_stderr_to_log(quiet) as log, _one_gc_pass(_core_in_this_process(mode)):
         m = cls(path, dispatch=True, mode=mode, **engine_args)
     m.arch = arch.in_engine(m._module)  # vLLM's tree (its Transformers backend moves the blocks)
     m.checkpoint = path
@@ -485,21 +485,33 @@ def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engi
     return m
 
 
+def _core_in_this_process(mode: str) -> bool:
+    """Whether vLLM will run its EngineCore (and, at TP=1, the worker) inside this process: a sync
+    ``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (nnvllm's in-process CPU engine at TP=1). vLLM's
+    default (1, the GPU) and the server's AsyncLLM run it in a process of their own."""
+    import vllm.envs
+
+    return mode == "sync" and not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING
+
+
 @contextlib.contextmanager
-def _one_gc_pass():
+def _one_gc_pass(core_here: bool = True):
     """One full garbage collection for an engine start instead of vLLM's several.
 
     vLLM runs ``gc.collect()`` after every weight load and KV-cache profile and before freezing the
-    heap (``base_loader.load_model``, ``_cleanup_profiling_kv_cache``, ``gc_utils.freeze_gc_heap``):
-    each pass walks every object of the process, ~0.5 s in a process that has imported torch and vLLM
-    (the 2-core CPU box); a repeat in-process start took 4.3-4.9 s with them, 2.0-2.2 s without. Here the heap is collected once and
-    frozen (``gc.freeze``: later passes skip what exists now), so vLLM's passes walk only what the
-    start creates, and free the same garbage. vLLM freezes the whole heap itself at the end of an
-    in-process start and unfreezes it at shutdown (``cleanup_dist_env_and_memory``): where it did,
-    the heap stays frozen as vLLM left it; otherwise (a failed start; the isolated server, whose
-    engine core runs elsewhere) it is unfrozen again. A heap someone else froze is left alone.
+    heap (``base_loader.load_model``, ``_cleanup_profiling_kv_cache``, ``gc_utils.freeze_gc_heap``),
+    in the process that runs its EngineCore: each pass walks every object of the process, ~0.5 s in a
+    process that has imported torch and vLLM (the 2-core CPU box); a repeat in-process start took
+    4.3-4.9 s with them, 2.0-2.2 s without. Here the heap is collected once and frozen (``gc.freeze``:
+    later passes skip what exists now), so vLLM's passes walk only what the start creates, and free
+    the same garbage. vLLM freezes the whole heap itself at the end of an in-process start and
+    unfreezes it at shutdown (``EngineCore.shutdown``, ``cleanup_dist_env_and_memory``): where it did,
+    the heap stays frozen as vLLM left it; after a failed start it is unfrozen again. A heap someone
+    else froze is left alone, and so is this process's heap when the EngineCore runs in another
+    process (``core_here=False``: the GPU, the isolated server), where vLLM collects nothing here
+    and an extra pass would only cost time.
     """
-    if gc.get_freeze_count():
+    if not core_here or gc.get_freeze_count():
         yield
         return
     gc.collect()
@@ -510,7 +522,10 @@ def _one_gc_pass():
         yield
         ok = True
     finally:
-        if not ok or gc.get_freeze_count() == ours:
+        # vLLM's own freeze at the end of a start moves everything the start made into the frozen
+        # generation: the count jumps. Without it the count only falls (frozen objects freed during
+        # the start leave it): compared for equality, that left the heap frozen for good (the H200).
+        if not ok or gc.get_freeze_count() <= ours:
             gc.unfreeze()
 
 

@@ -39,15 +39,24 @@ def test_a_second_in_process_engine_is_refused_and_the_first_keeps_working(toy_p
 
 def test_a_start_walks_the_whole_heap_once_and_leaves_it_as_vllm_does(toy_path):
     """nnvllm.engine._one_gc_pass: vLLM collects garbage about ten times while an in-process engine
-    starts, each pass over every object of the process (~2.5 s of a ~4.5 s start on the CPU box). nnvllm
-    collects once and freezes the heap, so vLLM's passes walk only what the start creates. Counted
-    here: full collections while nothing is frozen (five before the change on the CPU box, one after
-    it), in a process that has started an engine before (a first start imports much of vLLM, and the
-    imports set off collections of their own)."""
+    starts, each pass over every object of the process that runs its EngineCore (~2.5 s of a ~4.5 s
+    start on the CPU box). Where that is this process (the CPU at TP=1), nnvllm collects once and
+    freezes the heap, so vLLM's passes walk only what the start creates. Counted here: full
+    collections while nothing is frozen (five before the change on the CPU box, one after it), in a
+    process that has started an engine before (a first start imports much of vLLM, and the imports
+    set off collections of their own). Where the EngineCore runs in its own process (the GPU), vLLM
+    collects nothing here and nnvllm adds nothing: no full collection here during the start (lane K
+    on the H200 found the heap left frozen by the old code, which collected and froze it anyway)."""
     import gc
     import weakref
 
+    from nnvllm.engine import _core_in_this_process
+
     nv.load(toy_path, isolate=False, **engine_kwargs(1)).close()
+    core_here = _core_in_this_process("sync")  # read after a load: nv.load sets the environment
+    frozen_before = gc.get_freeze_count()
+    if core_here:
+        assert frozen_before == 0  # the close before unfroze what the start froze
 
     class Cycle:
         pass
@@ -57,10 +66,13 @@ def test_a_start_walks_the_whole_heap_once_and_leaves_it_as_vllm_does(toy_path):
     gone = weakref.ref(c)
     del c  # garbage from before the start: still freed by it, as vLLM's own passes freed it
     full: list = []
+    unfrozen: list = []
 
     def count(phase, info):
-        if phase == "start" and info["generation"] == 2 and not gc.get_freeze_count():
+        if phase == "start" and info["generation"] == 2:
             full.append(1)
+            if not gc.get_freeze_count():
+                unfrozen.append(1)
 
     gc.callbacks.append(count)
     try:
@@ -68,13 +80,53 @@ def test_a_start_walks_the_whole_heap_once_and_leaves_it_as_vllm_does(toy_path):
     finally:
         gc.callbacks.remove(count)
     try:
-        assert gone() is None
-        assert len(full) == 1, f"{len(full)} full collections over the unfrozen heap during the start"
-        assert gc.get_freeze_count() > 0  # vLLM froze the heap at the end of its start, as it does alone
+        if core_here:
+            assert gone() is None
+            assert len(unfrozen) == 1, f"{len(unfrozen)} full collections over the unfrozen heap during the start"
+            assert gc.get_freeze_count() > 0  # vLLM froze the heap at the end of its start, as it does alone
+        else:
+            assert not full, f"{len(full)} full collections in this process while an engine started elsewhere"
+            assert gc.get_freeze_count() == frozen_before, "the start froze or unfroze this process's heap"
         assert nv.generate(model, "The capital of France is", max_tokens=2).tokens[0]
     finally:
         model.close()
-    assert gc.get_freeze_count() == 0  # vLLM's shutdown unfroze it
+    if core_here:
+        assert gc.get_freeze_count() == 0  # vLLM's shutdown unfroze it
+    else:
+        assert gc.get_freeze_count() == frozen_before
     with pytest.raises(Exception, match="max_model_len"):
         nv.load(toy_path, isolate=False, **engine_kwargs(1, max_model_len=10**7))
-    assert gc.get_freeze_count() == 0  # a failed start leaves nothing frozen
+    assert gc.get_freeze_count() == frozen_before  # a failed start leaves the heap as it found it
+
+
+def test_the_heap_is_left_alone_where_the_engine_core_runs_elsewhere(monkeypatch):
+    """_one_gc_pass collects and freezes only for an engine whose EngineCore runs in this process."""
+    import gc
+
+    from nnvllm.engine import _core_in_this_process, _one_gc_pass
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default, the GPU's
+    assert not _core_in_this_process("sync")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # nnvllm's CPU engine at TP=1
+    assert _core_in_this_process("sync")
+    assert not _core_in_this_process("async")  # the isolated server's AsyncLLM
+    full: list = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    before = gc.get_freeze_count()
+    gc.callbacks.append(count)
+    try:
+        with _one_gc_pass(False):
+            assert gc.get_freeze_count() == before
+        assert not full
+        doomed = [[] for _ in range(100)]  # frozen by the pass below, then freed during the "start"
+        with _one_gc_pass(True):
+            assert gc.get_freeze_count() > before or before
+            del doomed  # the frozen count falls: a start that vLLM did not freeze at its end
+        assert len(full) == (0 if before else 1)
+    finally:
+        gc.callbacks.remove(count)
+    assert gc.get_freeze_count() == before  # nothing froze meanwhile: unfrozen again on the way out
