@@ -333,6 +333,11 @@ class RemoteEngine:
         CLIENT_TIMINGS.update(http=time.perf_counter() - t0)
         # Plain data only (ids, text, file names of the shared-memory hand-off): never unpickle.
         res = torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=True)
+        # The server's share of ``http`` (lock wait, arm, adding the requests, generating, collecting;
+        # ``total`` from the body's arrival to the reply built): the rest is the transport.
+        CLIENT_TIMINGS.update({f"server_{k}": float(v) for k, v in (res.get("timings") or {}).items()})
+        if r.headers.get("nnvllm-server-seconds"):
+            CLIENT_TIMINGS["server_total"] = float(r.headers["nnvllm-server-seconds"])
         if res.get("error"):
             kind, msg = res["error"]
             exc = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)

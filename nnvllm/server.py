@@ -240,9 +240,11 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         import torch
         from vllm.sampling_params import RequestOutputKind
 
+        t0 = time.perf_counter()
         model_ = serve._ready()
         req = torch.load(io.BytesIO(await request.body()), weights_only=True)
         engine = model_.vllm_entrypoint
+        timings: dict[str, float] = {}  # the server's share of the client's HTTP time (CLIENT_TIMINGS)
         try:
             # Final outputs only: a per-step output per request costs Python per request x step.
             params = sampling_params(req["params"], len(req["prompts"]), RequestOutputKind.FINAL_ONLY)
@@ -259,11 +261,15 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         tasks: list = []
         async with capture_lock:
             try:
+                t1 = time.perf_counter()
                 await _rpc(engine, ARM, (req["spec"],))
+                t2 = time.perf_counter()
                 try:
                     await _start_together(engine, ids, tasks, lambda: [
                         asyncio.ensure_future(one(p, sp, i)) for p, sp, i in zip(req["prompts"], params, ids)])
+                    t3 = time.perf_counter()
                     outputs = await asyncio.gather(*tasks)
+                    t4 = time.perf_counter()
                 except BaseException:
                     for t in tasks:
                         t.cancel()
@@ -274,11 +280,16 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                     # installed edit (model.edit) ran on them. One call for all, not one per request.
                     await _rpc(engine, "collect_nnsight", (ids, ids))
                 handoff = (await _rpc(engine, COLLECT, (collect_tokens(outputs), None)))[0]
+                t5 = time.perf_counter()
             except Exception as e:
                 if _dead(engine):
                     return _error(503, ENGINE_DIED)
                 return _torch_payload({"error": (type(e).__name__, str(e))})
-        return _torch_payload({"outputs": outputs, "handoff": handoff, "error": None})
+        timings.update(lock=t1 - t0, arm=t2 - t1, add=t3 - t2, generate=t4 - t3, collect=t5 - t4)
+        reply = _torch_payload({"outputs": outputs, "handoff": handoff, "error": None, "timings": timings})
+        timings["total"] = time.perf_counter() - t0  # (the reply above carries all but this: sent apart)
+        reply.headers["nnvllm-server-seconds"] = f"{timings['total']:.6f}"
+        return reply
 
     streams: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}  # stream id -> (stop, abort) flags
     stream_tasks: set = set()  # the running streamed captures

@@ -304,6 +304,12 @@ def test_a_calls_prompts_run_as_one_batch(iso):
         st = dict(capture._LAST_STATS)
         assert (st["steps"], st["batch_changes"]) == (32, 1), st
     assert all(len(t) == 32 for t in run.tokens)
+    # The server's share of the call, by phase (benchmarks/capture_gpu.py keeps them per call): each
+    # phase inside the server's total, the total inside the client's HTTP round trip.
+    t = dict(capture._LAST_TIMINGS)
+    phases = [t[f"client_server_{k}"] for k in ("lock", "arm", "add", "generate", "collect")]
+    assert all(p >= 0 for p in phases) and t["client_server_generate"] > 0, t
+    assert sum(phases) <= t["client_server_total"] <= t["client_http"], t
 
 
 def test_edits_on_an_isolated_engine(iso, toy_path, fidelity):
