@@ -244,7 +244,6 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         model_ = serve._ready()
         req = torch.load(io.BytesIO(await request.body()), weights_only=True)
         engine = model_.vllm_entrypoint
-        timings: dict[str, float] = {}  # the server's share of the client's HTTP time (CLIENT_TIMINGS)
         try:
             # Final outputs only: a per-step output per request costs Python per request x step.
             params = sampling_params(req["params"], len(req["prompts"]), RequestOutputKind.FINAL_ONLY)
@@ -285,7 +284,8 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                 if _dead(engine):
                     return _error(503, ENGINE_DIED)
                 return _torch_payload({"error": (type(e).__name__, str(e))})
-        timings.update(lock=t1 - t0, arm=t2 - t1, add=t3 - t2, generate=t4 - t3, collect=t5 - t4)
+        # The server's share of the client's HTTP time (the client keeps it in CLIENT_TIMINGS).
+        timings = dict(lock=t1 - t0, arm=t2 - t1, add=t3 - t2, generate=t4 - t3, collect=t5 - t4)
         reply = _torch_payload({"outputs": outputs, "handoff": handoff, "error": None, "timings": timings})
         timings["total"] = time.perf_counter() - t0  # (the reply above carries all but this: sent apart)
         reply.headers["nnvllm-server-seconds"] = f"{timings['total']:.6f}"

@@ -124,7 +124,8 @@ def test_the_heap_is_left_alone_where_the_engine_core_runs_elsewhere(monkeypatch
         assert not full
         doomed = [[] for _ in range(100)]  # frozen by the pass below, then freed during the "start"
         with _one_gc_pass(True):
-            assert gc.get_freeze_count() > before or before
+            if not before:  # (a heap frozen by someone else is left alone: no pass)
+                assert gc.get_freeze_count() > 0
             del doomed  # the frozen count falls: a start that vLLM did not freeze at its end
         assert len(full) == (0 if before else 1)
     finally:
