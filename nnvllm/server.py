@@ -442,6 +442,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             "pid": os.getpid(),
             "dtype": str(mc.dtype),
             "tp": engine.vllm_config.parallel_config.tensor_parallel_size,
+            "max_num_seqs": engine.vllm_config.scheduler_config.max_num_seqs,
             "vocab_size": mc.get_vocab_size(),
             "max_model_len": mc.max_model_len,
             "cuda": torch.cuda.is_available(),

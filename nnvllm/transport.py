@@ -191,7 +191,8 @@ class InProcessEngine:
     def info(self) -> dict:
         eng = self.llm.llm_engine
         return {"dtype": str(eng.model_config.dtype), "vocab_size": eng.model_config.get_vocab_size(),
-                "tp": eng.vllm_config.parallel_config.tensor_parallel_size}
+                "tp": eng.vllm_config.parallel_config.tensor_parallel_size,
+                "max_num_seqs": eng.vllm_config.scheduler_config.max_num_seqs}
 
     def sleep_support(self) -> tuple[bool, bool]:
         from vllm.platforms import current_platform

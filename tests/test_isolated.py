@@ -152,7 +152,12 @@ def test_every_endpoint_but_health_needs_the_token(iso):
         assert httpx.request(method, base + path, content=b"x").status_code == 401, path
         r = httpx.request(method, base + path, content=b"x", headers={"ndif-api-key": "wrong"})
         assert r.status_code == 401, path
-    assert httpx.get(base + "/v1/nnvllm/info", headers={"ndif-api-key": iso._conn.token}).status_code == 200
+    info = httpx.get(base + "/v1/nnvllm/info", headers={"ndif-api-key": iso._conn.token})
+    assert info.status_code == 200
+    # nv.collect cuts its chunks by these two (the toy runs in fp32 here)
+    from nnvllm import store
+
+    assert info.json()["max_num_seqs"] >= 1 and store._engine_facts(iso) == (4, info.json()["max_num_seqs"])
 
 
 def test_nothing_listens_outside_loopback(iso):

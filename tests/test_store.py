@@ -75,6 +75,14 @@ def fake(monkeypatch):
 PROMPTS = [f"prompt number {i}" + "x" * (i % 3) for i in range(7)]
 
 
+class _HalfPrecision(types.SimpleNamespace):
+    """The stand-in model, with an engine that says it runs fp16 and at most 4 requests a step."""
+
+    @staticmethod
+    def _engine_adapter(model):
+        return types.SimpleNamespace(info=lambda: {"dtype": "torch.float16", "max_num_seqs": 4})
+
+
 # --- pure parts ---------------------------------------------------------------------------------
 
 
@@ -194,6 +202,22 @@ def test_verify_finds_damaged_and_missing_shards(tmp_path, fake):
         ds.verify()
 
 
+def test_chunks_cost_the_fewest_generate_steps():
+    def plan(left, fits, wave):
+        sizes = []
+        while left:
+            sizes.append(store._next_chunk(left, fits, wave))
+            left -= sizes[-1]
+        return sizes
+
+    assert plan(1024, 283, None) == [256] * 4  # equal chunks, as few as the budget allows
+    assert plan(1024, 283, 1024) == [256] * 4  # the budget holds less than a scheduler batch
+    assert plan(3000, 2100, 1024) == [2048, 952]  # whole scheduler batches: 3 passes, not 2 + 2
+    assert plan(1000, 5000, 1024) == [1000]
+    assert plan(7, 3, None) == [3, 2, 2]
+    assert plan(3, 0, None) == [1, 1, 1]  # never fewer than one prompt
+
+
 def test_memory_budget_sets_the_chunk_size(tmp_path, fake):
     model, calls = fake
     model.tokenizer = lambda texts: {"input_ids": [[0] * len(t) for t in texts]}  # fake_run's: a token a char
@@ -202,14 +226,20 @@ def test_memory_budget_sets_the_chunk_size(tmp_path, fake):
     assert store.IN_FLIGHT == 3
     store.collect(model, PROMPTS, tmp_path / "a", max_tokens=4, memory_budget=3 * 3 * each, logits="none",
                   progress=False)
-    assert [len(c) for c in calls] == [3, 3, 1]
+    assert [len(c) for c in calls] == [3, 2, 2]  # 3 fit: as few chunks as that allows, equal
     calls.clear()
     store.collect(model, PROMPTS, tmp_path / "a2", max_tokens=4, memory_budget=3 * 3 * each - 1, progress=False)
     assert [len(c) for c in calls] == [2, 2, 2, 1]
     calls.clear()  # logits="full" adds 4 steps * 13 * 4 B a request
     store.collect(model, PROMPTS, tmp_path / "a3", max_tokens=4, memory_budget=3 * 3 * (each + 4 * 13 * 4),
                   logits="full", progress=False)
-    assert [len(c) for c in calls] == [3, 3, 1]
+    assert [len(c) for c in calls] == [3, 2, 2]
+    calls.clear()  # an engine in half precision (2 bytes a value: 6 fit) that runs 4 requests at once
+    half = _HalfPrecision(**vars(model))
+    half.tokenizer = model.tokenizer
+    store.collect(half, PROMPTS, tmp_path / "h", max_tokens=4, memory_budget=3 * 3 * each, logits="none",
+                  progress=False)
+    assert [len(c) for c in calls] == [4, 3]  # one whole scheduler batch, then the rest
     calls.clear()
     model.tokenizer = None  # chars / 2 + 1 = 9 tokens: a larger first chunk, then the measured widths
     store.collect(model, PROMPTS, tmp_path / "b", max_tokens=4, memory_budget="1KB", progress=False)
@@ -328,6 +358,10 @@ def test_collect_on_the_engine_matches_generate_and_resumes(toy, tmp_path, monke
 
     check(ds)
     ds.verify()
+    # What the chunk sizes are cut by: the engine's value size and its scheduler's batch limit.
+    cfg = toy.llm.llm_engine.vllm_config
+    assert store._engine_facts(toy) == ({torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}[
+        toy.llm.llm_engine.model_config.dtype], cfg.scheduler_config.max_num_seqs)
 
     real = nnvllm.capture.generate
     calls, fail_on = [], [2]
