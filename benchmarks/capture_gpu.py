@@ -257,18 +257,31 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         size = sum(f.stat().st_size for f in out.iterdir())
         shards = [len(s["requests"]) for s in json.loads((out / "index.json").read_text())["shards"]]
+        sched = model.llm.llm_engine.vllm_config
         res["big"] = {"bare": bare["median"], "collect": dt, "ratio": dt / bare["median"], "bytes_on_disk": size,
                       "requests": len(ds), "peak_rss_gib": peak, "rss_before_gib": rss0, "budget": extra["budget"],
-                      "shard_requests": shards}
+                      "shard_requests": shards, "max_num_seqs": sched.scheduler_config.max_num_seqs,
+                      "max_cudagraph_capture_size": sched.compilation_config.max_cudagraph_capture_size}
         shutil.rmtree(out, ignore_errors=True)
-        # The same collect in chunks of a given size: does a shorter unoverlapped tail (the last
-        # chunk's shard is written after the engine has finished) pay for the smaller batches?
+        # The same collect in chunks of a given size, beside bare generate in the same chunks (what
+        # the chunking alone costs) and nv.generate in them with nothing written (capture without disk).
         for b in [int(x) for x in extra.get("big_batches", "").split(",") if x]:
+            chunks = [ps[i:i + b] for i in range(0, len(ps), b)]
+            t = time.perf_counter()
+            for c in chunks:
+                model.llm.generate(c, sp, use_tqdm=False)
+            bare_b = time.perf_counter() - t
+            t = time.perf_counter()
+            for c in chunks:
+                nv.generate(model, c, max_tokens=T, ignore_eos=True, logits=False)
+            gen_b = time.perf_counter() - t
             t = time.perf_counter()
             nv.collect(model, ps, out, max_tokens=T, ignore_eos=True, batch_size=b, progress=False)
             dt = time.perf_counter() - t
-            res[f"big_batch_{b}"] = {"collect": dt, "ratio": dt / bare["median"]}
+            res[f"big_batch_{b}"] = {"collect": dt, "ratio": dt / bare["median"], "bare_chunked": bare_b,
+                                     "generate_chunked": gen_b}
             shutil.rmtree(out, ignore_errors=True)
+        res["big"]["bare_again"] = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), 1)["median"]
         model.close()
         return res
     raise ValueError(name)

@@ -321,18 +321,14 @@ class RemoteEngine:
         self.conn = model._connection()  # raises if closed or dead
 
     def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
-        import torch
-
-        from .transport import CLIENT_TIMINGS
+        from .transport import CLIENT_TIMINGS, pack, unpack
 
         t0 = time.perf_counter()
-        buf = io.BytesIO()
-        torch.save({"prompts": prompts, "params": params, "spec": spec}, buf)
-        r = self.conn.request("POST", "/v1/nnvllm/generate", content=buf.getvalue(),
-                              headers={"Content-Type": "application/octet-stream"})
+        body, kind = pack({"prompts": prompts, "params": params, "spec": spec})
+        r = self.conn.request("POST", "/v1/nnvllm/generate", content=body, headers={"Content-Type": kind})
         CLIENT_TIMINGS.update(http=time.perf_counter() - t0)
-        # Plain data only (ids, text, file names of the shared-memory hand-off): never unpickle.
-        res = torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=True)
+        # Plain data only (ids, text, file names of the shared-memory hand-off), as JSON: never unpickled.
+        res = unpack(r.content, r.headers.get("content-type"))
         # The server's share of ``http`` (lock wait, arm, adding the requests, generating, collecting;
         # ``total`` from the body's arrival to the reply built): the rest is the transport.
         CLIENT_TIMINGS.update({f"server_{k}": float(v) for k, v in (res.get("timings") or {}).items()})

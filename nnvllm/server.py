@@ -48,7 +48,8 @@ from typing import Any
 __all__ = ["ENGINE_DIED", "TOKEN_ENV", "TOKEN_HEADER", "main"]
 
 from ._procs import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER  # (stdlib-only at import)
-from .transport import ARM, COLLECT, DISARM, PEEK, UNEMBED, StreamBook, collect_tokens, plain_output, sampling_params  # (stdlib-only at import)
+from .transport import (ARM, COLLECT, DISARM, PEEK, UNEMBED, StreamBook, collect_tokens, pack,  # (stdlib-only at import)
+                        plain_output, sampling_params, unpack)
 
 
 def _torch_payload(obj: Any):
@@ -58,6 +59,14 @@ def _torch_payload(obj: Any):
     buf = io.BytesIO()
     torch.save(obj, buf)
     return Response(content=buf.getvalue(), media_type="application/octet-stream")
+
+
+def _packed(obj: Any):
+    """A capture's reply (:func:`nnvllm.transport.pack`: JSON when plain, as a reply always is)."""
+    from fastapi import Response
+
+    data, kind = pack(obj)
+    return Response(content=data, media_type=kind)
 
 
 def _error(status: int, detail: str):
@@ -110,7 +119,10 @@ async def _start_together(engine, ids: list[str], tasks: list, start) -> None:
     """
     core = engine.engine_core
     added = getattr(getattr(engine, "output_processor", None), "external_req_ids", None)  # by the caller's id
-    if len(ids) < 2 or added is None or not hasattr(core, "pause_scheduler_async"):  # (one request: one batch)
+    # NNVLLM_ONE_BATCH=0 lets the requests trickle in as the in-process engine's do (benchmarks: the
+    # hold costs the adds' time, ~28 ms for 64 requests on the H200 host, which the trickle overlaps).
+    if (len(ids) < 2 or added is None or not hasattr(core, "pause_scheduler_async")  # (one request: one batch)
+            or os.environ.get("NNVLLM_ONE_BATCH", "1") == "0"):
         tasks.extend(start())
         return
     _unwaited(core.pause_scheduler_async(mode="keep", clear_cache=False))
@@ -237,18 +249,17 @@ def _install(app, token: str, model, checkpoint: str) -> None:
 
         The activations travel through shared memory (``nnvllm._worker``): the reply is small.
         """
-        import torch
         from vllm.sampling_params import RequestOutputKind
 
         t0 = time.perf_counter()
         model_ = serve._ready()
-        req = torch.load(io.BytesIO(await request.body()), weights_only=True)
+        req = unpack(await request.body(), request.headers.get("content-type"))
         engine = model_.vllm_entrypoint
         try:
             # Final outputs only: a per-step output per request costs Python per request x step.
             params = sampling_params(req["params"], len(req["prompts"]), RequestOutputKind.FINAL_ONLY)
         except (TypeError, ValueError) as e:
-            return _torch_payload({"error": (type(e).__name__, str(e))})
+            return _packed({"error": [type(e).__name__, str(e)]})
 
         async def one(prompt, sp, request_id):
             output = None
@@ -283,10 +294,10 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             except Exception as e:
                 if _dead(engine):
                     return _error(503, ENGINE_DIED)
-                return _torch_payload({"error": (type(e).__name__, str(e))})
+                return _packed({"error": [type(e).__name__, str(e)]})
         # The server's share of the client's HTTP time (the client keeps it in CLIENT_TIMINGS).
         timings = dict(lock=t1 - t0, arm=t2 - t1, add=t3 - t2, generate=t4 - t3, collect=t5 - t4)
-        reply = _torch_payload({"outputs": outputs, "handoff": handoff, "error": None, "timings": timings})
+        reply = _packed({"outputs": outputs, "handoff": handoff, "error": None, "timings": timings})
         timings["total"] = time.perf_counter() - t0  # (the reply above carries all but this: sent apart)
         reply.headers["nnvllm-server-seconds"] = f"{timings['total']:.6f}"
         return reply

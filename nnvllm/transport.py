@@ -32,7 +32,7 @@ import signal
 import threading
 import time
 
-__all__ = ["PROMPT_TAG", "InProcessEngine", "StreamBook", "engine_of", "plain_output", "sampling_params"]
+__all__ = ["PROMPT_TAG", "InProcessEngine", "StreamBook", "engine_of", "pack", "plain_output", "sampling_params", "unpack"]
 
 # Where the last capture's client-side time went (benchmarks): the arm RPC, the engine's generate,
 # the collect RPC (hand-off included); isolated: the HTTP call. generate() reports them as client_*.
@@ -43,6 +43,52 @@ PROMPT_TAG = "nnvllm_prompt"  # SamplingParams.extra_args key: the request's pro
 # The worker's RPC methods (nnvllm._worker.CaptureWorker), in the order a capture calls them.
 ARM, PEEK, COLLECT, DISARM = "nnvllm_arm", "nnvllm_peek", "nnvllm_collect", "nnvllm_disarm"
 UNEMBED = "nnvllm_unembed"  # each TP rank's final norm and unembedding slice
+
+
+JSON_TYPE = "application/json"
+
+
+def _is_plain(x) -> bool:
+    """``x`` survives a JSON round trip unchanged: str-keyed dicts, lists, str, int, float, bool, None."""
+    if isinstance(x, dict):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in x.items())
+    if isinstance(x, list):
+        return all(_is_plain(v) for v in x)
+    return x is None or isinstance(x, (str, int, float, bool))
+
+
+def pack(obj) -> tuple[bytes, str]:
+    """A capture's request or reply as bytes and their content type: JSON when it is plain data (a
+    reply always is: ids, text, the hand-off's file names), else ``torch.save`` (an edit's tensors).
+
+    Decoding a 64-request reply with ``torch.load(weights_only=True)`` took 7.4 ms on the 2-core CPU
+    box, ``json.loads`` 0.4 ms; on the H200 the isolated GPT-2-small call spent ~9 ms there (lane L).
+    Neither decoder runs code.
+    """
+    import json
+
+    if _is_plain(obj):
+        return json.dumps(obj).encode(), JSON_TYPE
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue(), "application/octet-stream"
+
+
+def unpack(data: bytes, content_type: str | None):
+    """What :func:`pack` made (tensors to the CPU); never unpickles code."""
+    import io
+
+    if (content_type or "").startswith(JSON_TYPE):
+        import json
+
+        return json.loads(data)
+    import torch
+
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 
 def plain_output(out) -> dict:

@@ -768,3 +768,21 @@ def test_only_the_engine_layer_and_the_worker_import_vllm_or_nnsight():
         if engine and p.stem not in ENGINE_LAYER:
             bad[p.stem] = engine
     assert not bad, f"modules outside the engine layer import vLLM/nnsight: {bad}"
+
+
+def test_a_capture_travels_as_json_when_plain_and_as_tensors_otherwise():
+    from nnvllm.transport import pack, unpack
+
+    reply = {"outputs": [{"request_id": "a1", "prompt_token_ids": [1, 2], "token_ids": [3], "text": "é",
+                          "finished": True}], "handoff": {"files": [{"path": "/dev/shm/x", "shape": [2, 3]}]},
+             "error": None, "timings": {"add": 0.25}}
+    data, kind = pack(reply)
+    assert kind == "application/json" and unpack(data, kind) == reply
+    # A steering vector in the spec: torch's format (loaded without unpickling code), values intact.
+    req = {"prompts": ["x"], "spec": {"edits": [{"vector": torch.arange(4.0)}]}}
+    data, kind = pack(req)
+    assert kind == "application/octet-stream"
+    assert torch.equal(unpack(data, kind)["spec"]["edits"][0]["vector"], torch.arange(4.0))
+    # What JSON would change is not sent as JSON: int keys, tuples.
+    for changed in ({1: "a"}, {"a": (1, 2)}):
+        assert pack(changed)[1] == "application/octet-stream" and unpack(*pack(changed)) == changed
