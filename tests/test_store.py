@@ -358,10 +358,15 @@ def test_collect_on_the_engine_matches_generate_and_resumes(toy, tmp_path, monke
 
     check(ds)
     ds.verify()
-    # What the chunk sizes are cut by: the engine's value size and its scheduler's batch limit.
-    cfg = toy.llm.llm_engine.vllm_config
-    assert store._engine_facts(toy) == ({torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}[
-        toy.llm.llm_engine.model_config.dtype], cfg.scheduler_config.max_num_seqs)
+    # What the chunk sizes are cut by: the engine's value size and its scheduler's batch limit (an
+    # isolated engine's, on a GPU, as its server reports them; test_isolated checks that report).
+    if getattr(toy, "_nnvllm_isolated", False):
+        info = toy._info
+        dtype, seqs = getattr(torch, info["dtype"].removeprefix("torch.")), info["max_num_seqs"]
+    else:
+        dtype = toy.llm.llm_engine.model_config.dtype
+        seqs = toy.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    assert store._engine_facts(toy) == ({torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}[dtype], seqs)
 
     real = nnvllm.capture.generate
     calls, fail_on = [], [2]
