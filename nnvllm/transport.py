@@ -61,8 +61,9 @@ def pack(obj) -> tuple[bytes, str]:
     """A capture's request or reply as bytes and their content type: JSON when it is plain data (a
     reply always is: ids, text, the hand-off's file names), else ``torch.save`` (an edit's tensors).
 
-    Decoding a 64-request reply with ``torch.load(weights_only=True)`` took 7.4 ms on the 2-core CPU
-    box, ``json.loads`` 0.4 ms; on the H200 the isolated GPT-2-small call spent ~9 ms there (lane L).
+    Decoding a 64-request reply with ``torch.load(weights_only=True)`` took 7.4–12.5 ms on the 2-core
+    CPU box, ``json.loads`` 0.34–0.67 ms (``benchmarks/reply_decode.py``); on the H200 the isolated
+    GPT-2-small call spent ~9 ms there (lane L), 0.5 ms after this change (lane M).
     Neither decoder runs code.
     """
     import json

@@ -9,13 +9,16 @@
 #                     (the requests trickle in as in-process, no scheduler hold)           (~5 min)
 #   bash run.sh big   1,024 x 128 collect (8 GB budget) against bare, plus batch_size 256 and 512, each
 #                     beside bare generate and nv.generate in the same chunks              (~3 min)
+#   bash run.sh llama Llama-1B 64 x 128: bare_graphs, nv_graphs, nv_isolated (5 calls each)      (~4 min)
+#   bash run.sh changed  the test files this session changed (test_isolated, test_store, test_pure) (~4 min)
+# (llama and changed ran as inline commands, these exact lines, in the lease that ran iso and big.)
 # From the repository root after `source /root/nnvllm-gpu.env && export PYTHONPATH=$PWD:$PYTHONPATH`.
 set -u
 R="${OUT:-benchmarks/results/gpu/lane_m}"
 mkdir -p "$R"
 export NNVLLM_NO_SETUP=1 VLLM_PLUGINS=""
 start=$(date +%s)
-case "${1:?iso or big}" in
+case "${1:?iso, big, llama or changed}" in
   iso)
     timeout -k 5 "${GPT2_TIMEOUT:-250}" python3 benchmarks/capture_gpu.py --shape gpt2s --prompts 64 --tokens 32 \
       --repeats 15 --timeout 130 --root /tmp/b0 --out "$R/gpt2s.json" --cases nv_graphs,nv_isolated \
@@ -26,6 +29,13 @@ case "${1:?iso or big}" in
   big)
     timeout -k 5 "${BENCH_TIMEOUT:-300}" python3 benchmarks/capture_gpu.py --shape llama1b --big 1024 --tokens 128 \
       --timeout 280 --root /tmp/b0 --budget 8GB --big-batches 256,512 --out "$R/big.json" > "$R/big.log" 2>&1 ;;
+  llama)
+    timeout -k 5 400 python3 benchmarks/capture_gpu.py --shape llama1b --prompts 64 --tokens 128 --repeats 5 \
+      --timeout 150 --root /tmp/b0 --out "$R/llama1b.json" --cases bare_graphs,nv_graphs,nv_isolated > "$R/llama1b.log" 2>&1 ;;
+  changed)
+    export NNVLLM_GPU_MEMORY_UTILIZATION=0.1 NNVLLM_KV_CACHE_MEMORY_BYTES=1073741824
+    OUT="$R/engine_changed" STAGES=engine STAGE_TIMEOUT=320 TESTS="tests/test_isolated.py tests/test_store.py tests/test_pure.py" \
+      PYTEST_ARGS="--durations=15 -o faulthandler_timeout=300" bash scripts/test_gpu.sh > /dev/null 2>&1 ;;
 esac
 echo "wall $(( $(date +%s) - start )) s for '$1'" | tee "$R/wall_$1.txt"
 for f in "$R"/*.json; do
