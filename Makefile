@@ -51,7 +51,7 @@ demo: setup
 # kept 1.2 of the 2 cores busy (249 s wall, 298 CPU-s), so it shares them with the notebooks.
 JOBS ?= 2
 test: setup browser
-	$(BIN)/python -m pytest -q -ra tests/ --tp 1 -n $(JOBS) --dist loadfile
+	$(BIN)/python -m pytest -q -ra --durations=40 tests/ --tp 1 -n $(JOBS) --dist loadfile
 	bash scripts/side_by_side.sh \
 	  "TP=$(TP) tests" "$(BIN)/python -m pytest -q -ra tests/test_vllm.py tests/test_edits.py tests/test_stream.py \
 	    tests/test_isolated.py::test_tensor_parallel_isolated_engine_matches_transformers --tp $(TP)" \
