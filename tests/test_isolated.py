@@ -296,18 +296,23 @@ def test_an_error_reply_then_a_call_at_once_finds_the_engine_alive(iso):
     assert iso._dead is None
 
 
-def test_a_calls_prompts_run_as_one_batch(iso):
+def test_a_calls_prompts_run_as_one_batch(iso, monkeypatch):
     """The server holds vLLM's scheduler while a call's requests go in (``server._start_together``):
     64 prompts run as one batch, one engine step per token, as in-process. Before, AsyncLLM's
     requests trickled into the first steps (here 33 steps and 3 batches for 32 tokens; on the H200 the
-    GPT-2-small shape's isolated capture took 1.44x in-process). The engine records both counts."""
-    from nnvllm import capture
+    GPT-2-small shape's isolated capture took 1.44x in-process). The engine records both counts.
+    The reply comes as JSON (``transport.pack``: torch's decoder cost ~9 ms a call on the H200)."""
+    from nnvllm import capture, transport
 
+    kinds = []
+    real_unpack = transport.unpack
+    monkeypatch.setattr(transport, "unpack", lambda data, kind: kinds.append(kind) or real_unpack(data, kind))
     prompts = [f"{CLEAN} {i}" for i in range(64)]
     for _ in range(2):
         run = nv.generate(iso, prompts, max_tokens=32, ignore_eos=True, layers=[0])
         st = dict(capture._LAST_STATS)
         assert (st["steps"], st["batch_changes"]) == (32, 1), st
+    assert kinds == [transport.JSON_TYPE] * 2
     assert all(len(t) == 32 for t in run.tokens)
     # The server's share of the call, by phase (benchmarks/capture_gpu.py keeps them per call): each
     # phase inside the server's total, the total inside the client's HTTP round trip.
