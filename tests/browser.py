@@ -112,6 +112,27 @@ def _request(lab_url: str, token: str, path: str, method: str = "GET", timeout: 
         return r.status
 
 
+def shutdown_kernels(lab: Lab) -> int:
+    """Shut down every kernel of ``lab`` (its notebook sessions, then any kernel left); return how many.
+
+    A test that shares one lab with others calls this when done: a closed page leaves its kernel
+    running, and with it the kernel's engine and memory."""
+    def api(path: str, method: str = "GET"):
+        req = urllib.request.Request(lab.url + path, method=method, headers={"Authorization": f"token {lab.token}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    n = 0
+    for s in api("/api/sessions") or []:
+        api(f"/api/sessions/{s['id']}", "DELETE")  # ends its kernel too
+        n += 1
+    for k in api("/api/kernels") or []:
+        api(f"/api/kernels/{k['id']}", "DELETE")
+        n += 1
+    return n
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     # The server runs in its own session (start_new_session), so its group holds it and its kernels.
     for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):

@@ -8,6 +8,8 @@ plot in the Output widget is redrawn. Needs /usr/bin/chromium and playwright
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -22,21 +24,44 @@ ARTIFACTS = REPO / "build" / "test-artifacts"
 LENS_NOTEBOOK = "notebooks/01_logit_lens.ipynb"
 
 
-@pytest.fixture
-def needs_browser():
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """One JupyterLab and one chromium for the file's tests (each test's notebook in the lab's root).
+
+    Each start costs CPU the 2-core test machine shares with the engines (a lab ~8 s, chromium
+    ~12-16 s of CPU, measured per test in session 13); a test shuts its kernels down when done
+    (``opened``), so no engine outlives its test."""
     why = browser.missing_requirements()
     if why:
         print(f"skipping browser test: {why}")
         pytest.skip(why)
+    root = tmp_path_factory.mktemp("lab")
+    shutil.copy(REPO / LENS_NOTEBOOK, root / Path(LENS_NOTEBOOK).name)
+    with browser.jupyterlab(root) as server, browser.chromium() as ctx:
+        yield server, ctx
 
 
-def _drive(root: Path, notebook: str, shot: Path, prompt: str | None = None) -> dict:
+@contextlib.contextmanager
+def opened(lab, name: str, cells: list[str] | None = None):
+    """Open notebook ``name`` of the lab's root (written from ``cells`` first, if given); yield the page.
+    On exit close the page and shut down every kernel of the lab."""
+    server, ctx = lab
+    if cells is not None:
+        browser.write_notebook(server.root_dir / name, cells)
+    page = browser.open_notebook(ctx, server, name)
+    try:
+        yield page
+    finally:
+        page.close()
+        browser.shutdown_kernels(server)
+
+
+def _drive(lab, notebook: str, shot: Path, prompt: str | None = None, cells: list[str] | None = None) -> dict:
     """Open ``notebook``, Run All, press ArrowRight on the layer slider; then, with ``prompt``, type it
     into the explorer and click its Run button (a call to the engine after Run All: issue 14, item 1).
     Return what was seen."""
     t0 = time.monotonic()
-    with browser.jupyterlab(root) as lab, browser.chromium() as ctx:
-        page = browser.open_notebook(ctx, lab, notebook)
+    with opened(lab, notebook, cells) as page:
         run_s = browser.run_all(page)
         assert browser.widget(page, "nnvllm-lens").is_visible(), "explorer (.nnvllm-lens) not rendered"
         before_value = browser.slider_readout(page, "nnvllm-layer")
@@ -66,9 +91,8 @@ def _drive(root: Path, notebook: str, shot: Path, prompt: str | None = None) -> 
 
 
 @pytest.mark.browser
-def test_lens_notebook_in_browser(needs_browser):
-    assert (REPO / LENS_NOTEBOOK).exists(), f"{LENS_NOTEBOOK} is missing"
-    seen = _drive(REPO, LENS_NOTEBOOK, ARTIFACTS / "lens_notebook.png", prompt="The capital of Italy is")
+def test_lens_notebook_in_browser(lab):
+    seen = _drive(lab, Path(LENS_NOTEBOOK).name, ARTIFACTS / "lens_notebook.png", prompt="The capital of Italy is")
     assert seen["changed"], "plot did not redraw after ArrowRight on the layer slider"
     assert seen["after_value"] != seen["before_value"]
     assert seen["ran_after_run_all"], "the explorer's Run button did not redraw after Run All (engine closed?)"
@@ -99,10 +123,9 @@ box""",
 
 
 @pytest.mark.browser
-def test_harness_on_widget_notebook(needs_browser, tmp_path):
+def test_harness_on_widget_notebook(lab):
     """Self-test of tests/browser.py on a tiny notebook with the same widget classes."""
-    browser.write_notebook(tmp_path / "harness.ipynb", HARNESS_CELLS)
-    seen = _drive(tmp_path, "harness.ipynb", ARTIFACTS / "harness_notebook.png")
+    seen = _drive(lab, "harness.ipynb", ARTIFACTS / "harness_notebook.png", cells=HARNESS_CELLS)
     assert seen["changed"], "plot did not redraw after ArrowRight on the slider"
     assert (seen["before_value"], seen["after_value"]) == ("0", "1")
 
@@ -130,12 +153,10 @@ w""",
 
 
 @pytest.mark.browser
-def test_two_engines_in_one_kernel_in_browser(needs_browser, tmp_path):
+def test_two_engines_in_one_kernel_in_browser(lab):
     """Issue 14: a notebook cell sequence with two engines in one kernel (in-process, then isolated),
     run from JupyterLab: both answer, closing the first leaves the second working, none is left."""
-    browser.write_notebook(tmp_path / "two_engines.ipynb", TWO_ENGINE_CELLS)
-    with browser.jupyterlab(tmp_path) as lab, browser.chromium() as ctx:
-        page = browser.open_notebook(ctx, lab, "two_engines.ipynb")
+    with opened(lab, "two_engines.ipynb", TWO_ENGINE_CELLS) as page:
         browser.run_all(page, timeout=420)
         text = browser.widget(page, "nnvllm-two-engines").inner_text(timeout=60_000)
         browser.screenshot(page, ARTIFACTS / "two_engines.png")
@@ -156,15 +177,13 @@ live""",
 
 
 @pytest.mark.browser
-def test_live_generation_in_browser(needs_browser, tmp_path):
+def test_live_generation_in_browser(lab):
     """Issue 12: the LiveGeneration widget in JupyterLab shows tokens and the lens panel growing while
     the engine generates (in a background thread), and its Stop button, clicked in the page, ends
     the generation early with what was produced."""
     import re
 
-    browser.write_notebook(tmp_path / "live.ipynb", LIVE_CELLS)
-    with browser.jupyterlab(tmp_path) as lab, browser.chromium() as ctx:
-        page = browser.open_notebook(ctx, lab, "live.ipynb")
+    with opened(lab, "live.ipynb", LIVE_CELLS) as page:
         browser.run_all(page, timeout=300)
         status = browser.widget(page, "nnvllm-live-status")
         deadline = time.monotonic() + 120

@@ -3,6 +3,7 @@ with a message that names the installed version, the supported range and the fix
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -90,16 +91,45 @@ def test_importing_nnvllm_and_compat_imports_no_engine():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
 
 
-def test_every_private_name_nnvllm_relies_on_still_exists():
+# One fresh process answers both questions below (each fresh process imports vLLM: ~20 s of CPU on
+# the 2-core box). First what importing nnvllm's model classes does to torch.cuda, then (which imports
+# the serve app and vLLM's CPU worker) which private names are missing.
+FRESH = """
+import json, sys, torch
+out = {}
+cs = torch.cuda.current_stream
+import nnvllm.engine as e
+e._model_classes()
+import nnvllm._gpu
+out["cpu_worker_modules"] = [m for m in sys.modules if m.startswith(("vllm.v1.worker.cpu", "nnvllm._cpu_worker"))]
+out["current_stream_kept"] = torch.cuda.current_stream is cs
+from nnvllm import _compat
+out["missing"] = _compat.missing_private_names()
+out["surface"] = len(_compat.PRIVATE_SURFACE)
+print("FRESH " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh() -> dict:
+    out = subprocess.run([sys.executable, "-c", FRESH], cwd=ROOT, timeout=300, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("FRESH ")]
+    return json.loads(line.removeprefix("FRESH "))
+
+
+def test_model_classes_leave_torch_cuda_alone(fresh):
+    # vLLM's CPU worker module replaces torch.cuda.Stream/Event/current_stream for the whole process
+    # when imported; the model classes (unpickled in every GPU engine process with each trace) must
+    # not import it (on an H200 every nnsight trace killed the engine core that way).
+    assert fresh["cpu_worker_modules"] == [] and fresh["current_stream_kept"], fresh
+
+
+def test_every_private_name_nnvllm_relies_on_still_exists(fresh):
     """PRIVATE_SURFACE lists every private name of nnsight, vLLM and torch nnvllm touches; an upgrade
     that moves one fails here, by name and user. Run in a fresh process: the serve app is imported."""
-    code = ("from nnvllm import _compat\n"
-            "missing = _compat.missing_private_names()\n"
-            "assert not missing, '\\n'.join(missing)\n"
-            "print(len(_compat.PRIVATE_SURFACE))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=300, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert int(out.stdout.split()[-1]) >= 30
+    assert not fresh["missing"], "\n".join(fresh["missing"])
+    assert fresh["surface"] >= 30
     from torch.distributed import TCPStore
 
     assert "master_listen_fd" in (TCPStore.__init__.__doc__ or "")  # the argument bind_stores_to_loopback passes
