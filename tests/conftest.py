@@ -57,13 +57,17 @@ SPLIT_BY_CASE = ("tests/test_families.py",)
 # it took over the isolated cases of test_bad_input.py and test_interrupt.py: estimated from a
 # 3-worker run's shares). Workers take the slowest units first (longest-first scheduling): xdist's
 # default order, the files with the most tests first, left test_isolated_lifecycle.py's 3 tests
-# (~150 s) to the end, one worker running them alone. A file not listed counts as 0 s and goes
-# last; re-measure when a file's cost moves.
+# (~150 s) to the end, one worker running them alone. The notebooks (make test runs them in the same
+# pool) and the files session 13 cut are estimated from the CPU seconds each used in a run of make
+# test (a /proc sampler, each process's CPU counted to the test that started it). A file not listed
+# counts as 0 s and goes last; re-measure when a file's cost moves.
 FILE_SECONDS = {
-    "test_isolated.py": 230, "test_browser.py": 160, "test_isolated_lifecycle.py": 145, "test_families.py": 120,
-    "test_engine.py": 55, "test_docs.py": 40, "test_edits.py": 42, "test_capture.py": 35,
-    "test_capture_scheduling.py": 32, "test_bad_input_more.py": 25, "test_pure.py": 22, "test_engines_list.py": 22,
-    "test_bad_input.py": 20, "test_widgets.py": 19, "test_compat.py": 17, "test_analyses_llama.py": 15,
+    "test_isolated.py": 200, "test_browser.py": 120, "test_isolated_lifecycle.py": 100, "test_families.py": 120,
+    "05_several_models.ipynb": 80, "04_discrepancies.ipynb": 45, "test_engine.py": 45, "test_docs.py": 40,
+    "test_edits.py": 42, "test_capture.py": 35, "02_sampled_tokens.ipynb": 32, "06_steering.ipynb": 32,
+    "test_capture_scheduling.py": 32, "01_logit_lens.ipynb": 30, "03_activation_patching.ipynb": 28,
+    "test_bad_input_more.py": 25, "test_pure.py": 22, "test_engines_list.py": 22, "test_compat.py": 20,
+    "test_bad_input.py": 20, "test_widgets.py": 19, "test_analyses_llama.py": 15,
     "test_stream.py": 12, "test_analyses.py": 12, "test_store.py": 11, "test_interrupt.py": 10, "test_vllm.py": 8,
 }
 
