@@ -46,10 +46,10 @@ demo: setup
 
 # Everything, side by side from the start (scripts/side_by_side.sh): the unit + engine tests (TP=1) and
 # the notebooks (nbmake) in one pool of JOBS pytest workers (pytest-xdist, a file per unit, slowest
-# first: tests/conftest.py), the seed's tests and the isolated TP test under TP=2 in a process of its
-# own, and the docs build. The suite is CPU-bound on the 2-core CI machine, so what counts is the CPU it
-# uses, not the order: run as stages (TP=1, then the rest side by side), the second stage kept only
-# 1.66 of the 2 cores busy (session 13).
+# first: tests/conftest.py); the seed's tests under TP=2 (toy in-process, llama isolated:
+# tests/conftest.py seed_engine) in a process of their own; the docs build. The suite is CPU-bound on
+# the 2-core CI machine, so what counts is the CPU it uses: run as stages (TP=1, then the rest side by
+# side) the second stage kept only 1.66 of the 2 cores busy (session 13).
 JOBS ?= 2
 # Engines of several test processes share the 2 cores: OpenMP's threads sleep when they wait instead of
 # spinning (libgomp's default), which on an oversubscribed box burns the cores another engine needs.
@@ -61,7 +61,7 @@ test: setup browser
 	  "TP=1 tests and notebooks" "$(BIN)/python -m pytest -q -ra --durations=40 tests/ notebooks/ --nbmake --tp 1 \
 	    -n $(JOBS) --dist loadfile" \
 	  "TP=$(TP) tests" "$(BIN)/python -m pytest -q -ra tests/test_vllm.py tests/test_edits.py tests/test_stream.py \
-	    tests/test_isolated.py::test_tensor_parallel_isolated_engine_matches_transformers --tp $(TP)" \
+	    --tp $(TP)" \
 	  "docs" "NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q"
 
 # The GPU lane (CUDA machine): engine suite, notebooks, and with GPU_TP=2 the tensor-parallel tests; logs

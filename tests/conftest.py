@@ -237,6 +237,16 @@ def shared_engine(path, tp, **kw):
     return model
 
 
+def seed_engine(kind: str, path, tp):
+    """The shared engine of the seed's modules (test_edits.py, test_stream.py) for checkpoint ``kind``.
+
+    At TP>1 the llama engine is isolated (``isolate=True``) and the toy one in-process: the TP=2 stage
+    covers both transports with the engines it starts anyway. (It started a third TP=2 engine, an
+    isolated toy, for one test: ~100 s of the 2-core box's CPU, each of its four processes importing
+    vLLM; session 13.)"""
+    return shared_engine(path, tp, **({"isolate": True} if tp > 1 and kind == "llama" else {}))
+
+
 def release_shared_engine() -> None:
     held = _SHARED.pop("engine", None)
     if held is not None:

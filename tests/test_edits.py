@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nnvllm as nv
-from conftest import same_values, shared_engine
+from conftest import same_values, seed_engine
 
 PROMPTS = ["The capital of France is", "Paris is the capital of"]
 TOL = 1e-3  # fp32, CPU; the fidelity fixture calibrates it on a GPU
@@ -24,7 +24,7 @@ SHARES_ENGINES = True  # with test_vllm.py and test_stream.py (conftest.shared_e
 @pytest.fixture(scope="module", params=["toy", "llama"])
 def model(request, toy_path, tiny_paths, tp):
     path = toy_path if request.param == "toy" else tiny_paths["llama"]
-    return request.param, path, shared_engine(path, tp)
+    return request.param, path, seed_engine(request.param, path, tp)
 
 
 def _edits(d: int, d_mlp: int, n_layers: int):
@@ -152,3 +152,23 @@ def test_patching_a_whole_generation_from_another_run(model, fidelity):
         nv.Edit.patch(clean, layers=[1], site="mlp")
     with pytest.raises(ValueError, match="not among the layers the source run captured"):
         nv.Edit.patch(nv.generate(m, clean_p, max_tokens=1, layers=[0]), layers=[1])
+
+
+@pytest.mark.tp
+def test_a_tp_engine_captures_what_transformers_computes(model, fidelity):
+    """Under tensor parallelism, in-process (toy) and isolated (llama: ``conftest.seed_engine``), the
+    residual stream, logits and the MLP's sharded sites (llama's merged gate|up projection is cut by
+    rank) are gathered whole and equal transformers; the logit lens gathers the unembedding."""
+    kind, path, m = model
+    assert getattr(m, "_nnvllm_isolated", False) == (kind == "llama")
+    sites = ("mlp_in", "mlp_act")
+    run = nv.generate(m, PROMPTS, max_tokens=3, sites=sites, ignore_eos=True)
+    lens = nv.logit_lens(m, PROMPTS[0], max_tokens=2)
+    hf = fidelity.reference(path, PROMPTS, max_tokens=3, sites=sites, ignore_eos=True)
+    assert run.meta["tp"] == 2 and run.tokens == hf.value.tokens
+    for i in range(len(PROMPTS)):
+        hf.check(run.resid[i], TOL, lambda r, i=i: r.resid[i], f"{kind} resid[{i}]")
+        hf.check(run.logits[i], TOL, lambda r, i=i: r.logits[i], f"{kind} logits[{i}]")
+        for s in sites:
+            hf.check(run.sites[s][i], TOL, lambda r, s=s, i=i: r.sites[s][i], f"{kind} {s}[{i}]")
+    assert lens.top_ids[-1, len(run.prompt_ids[0]) - 1, 0] == run.tokens[0][0]

@@ -270,22 +270,6 @@ def test_keyboard_interrupt_mid_request_leaves_the_engine_usable(iso):
     assert int(lg.cpu().argmax()) == run.tokens[0][0]
 
 
-@pytest.mark.tp
-def test_tensor_parallel_isolated_engine_matches_transformers(toy_path, fidelity):
-    prompts = [CLEAN, "The Eiffel Tower is in the city of"]
-    with nv.load(toy_path, isolate=True, **engine_kwargs(2)) as model:
-        run = nv.generate(model, prompts, max_tokens=3, sites=("mlp_in", "mlp_act"), ignore_eos=True)
-        lens = nv.logit_lens(model, CLEAN, max_tokens=2)
-    hf = fidelity.reference(toy_path, prompts, max_tokens=3, sites=("mlp_in", "mlp_act"), ignore_eos=True)
-    assert run.meta["tp"] == 2 and run.tokens == hf.value.tokens
-    for i in range(2):
-        hf.check(run.resid[i], 1e-3, lambda r, i=i: r.resid[i], f"resid[{i}]")
-        hf.check(run.logits[i], 1e-3, lambda r, i=i: r.logits[i], f"logits[{i}]")
-        for s in ("mlp_in", "mlp_act"):
-            hf.check(run.sites[s][i], 1e-3, lambda r, s=s, i=i: r.sites[s][i], f"{s}[{i}]")
-    assert lens.top_ids[-1, len(run.prompt_ids[0]) - 1, 0] == run.tokens[0][0]
-
-
 def test_an_error_reply_then_a_call_at_once_finds_the_engine_alive(iso):
     # A request the server cannot handle (here a malformed body) gets a 500 and the server may close
     # the kept-alive connection; the next call must not read that as the engine dying (issue 15, 2).

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import nnvllm as nv
-from conftest import same_values, shared_engine
+from conftest import same_values, seed_engine
 from nnvllm.analyses import unembedding
 from nnvllm.lens import lens_topk
 
@@ -26,7 +26,7 @@ SHARES_ENGINES = True  # with test_vllm.py and test_edits.py (conftest.shared_en
 @pytest.fixture(scope="module", params=["llama", "toy"])
 def model(request, toy_path, tiny_paths, tp):
     path = toy_path if request.param == "toy" else tiny_paths["llama"]
-    return request.param, shared_engine(path, tp)
+    return request.param, seed_engine(request.param, path, tp)
 
 
 def check_steps_match_run(m, steps, run) -> None:
