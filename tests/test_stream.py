@@ -68,11 +68,21 @@ def test_streamed_steps_equal_the_final_run_and_generate(model):
 
 def test_stop_keeps_what_was_produced_and_break_leaves_the_engine_clean(model):
     kind, m = model
-    s = nv.stream(m, PROMPTS[:2], max_tokens=40, ignore_eos=True, layers=[0, -1])
-    for step in s:
-        if step.index == 2:
-            s.stop()
-    assert s.stopped and all(1 <= len(t) < 40 for t in s.run.tokens) and sum(map(len, s.run.tokens)) >= 3
+    # An isolated engine (llama under TP=2: conftest.seed_engine) generates ahead of the frames the
+    # client reads, so on a loaded machine a stop can land after the last token (seen once in make
+    # test with 40 tokens): there the generation is longer and up to three tries must cut one short.
+    isolated = getattr(m, "_nnvllm_isolated", False)
+    n = 100 if isolated else 40  # (the tiny llama's context is 128 tokens)
+    for _ in range(3 if isolated else 1):
+        s = nv.stream(m, PROMPTS[:2], max_tokens=n, ignore_eos=True, layers=[0, -1])
+        for step in s:
+            if step.index == 2:
+                s.stop()
+        assert s.stopped
+        if all(len(t) < n for t in s.run.tokens):
+            break
+    assert all(1 <= len(t) < n for t in s.run.tokens) and sum(map(len, s.run.tokens)) >= 3, \
+        [len(t) for t in s.run.tokens]
     assert s.steps[0].lens_ids.shape == (2, 2)
     check_steps_match_run(m, s.steps, s.run)
     for i in range(2):  # the Run is whole for the tokens it has
