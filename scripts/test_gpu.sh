@@ -9,12 +9,12 @@
 # Stages (each continues after a failure; the script exits 1 at the end if any stage failed):
 #   engine     python3 -m pytest -q -ra $TESTS --tp 1          (TESTS defaults to tests/)
 #   notebooks  python3 -m pytest -q -ra --nbmake notebooks/    (needs nbmake + ipykernel + ipywidgets)
-#   tp_vllm    python3 -m pytest -q -ra tests/test_vllm.py tests/test_edits.py tests/test_stream.py --tp N  (only with N >= 2)
-#   tp_isolated python3 -m pytest -q -ra tests/test_isolated.py -m tp --tp N  (only with N >= 2)
+#   tp_vllm    python3 -m pytest -q -ra tests/test_vllm.py tests/test_edits.py tests/test_stream.py --tp N  (only with N >= 2;
+#              the llama engine there is isolated, so this covers both transports: tests/conftest.py seed_engine)
 # Environment:
 #   OUT              where each stage's log goes (default benchmarks/results/gpu/); also summary.txt and
 #                    fidelity_<stage>.json (every vLLM-vs-transformers check with its calibrated bound)
-#   STAGES           a subset to run, e.g. STAGES="engine" or STAGES="tp_vllm tp_isolated"
+#   STAGES           a subset to run, e.g. STAGES="engine" or STAGES="tp_vllm"
 #   NOTEBOOKS        what the notebooks stage runs (default notebooks/), e.g. "notebooks/0[1-3]*.ipynb"
 #   TESTS            what the engine stage runs (default tests/), e.g. "tests/test_capture.py tests/test_vllm.py"
 #   STAGE_TIMEOUT    seconds per stage (default: none)
@@ -66,7 +66,7 @@ fi
 
 if [ -z "${STAGES:-}" ]; then
   STAGES="engine notebooks"
-  [ "$TP" -ge 2 ] && STAGES="$STAGES tp_vllm tp_isolated"
+  [ "$TP" -ge 2 ] && STAGES="$STAGES tp_vllm"
 fi
 
 versions=$("$PY" - <<'EOF' 2>/dev/null
@@ -154,9 +154,7 @@ for stage in $STAGES; do
     tp_vllm)
       NNVLLM_FIDELITY_JSON="$OUT_DIR/fidelity_tp_vllm.json" \
         run_stage tp_vllm "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} tests/test_vllm.py tests/test_edits.py tests/test_stream.py --tp "$TP" ;;
-    tp_isolated)
-      run_stage tp_isolated "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} tests/test_isolated.py -m tp --tp "$TP" ;;
-    *) echo "test_gpu.sh: unknown stage '$stage' (engine, notebooks, tp_vllm, tp_isolated)" >&2
+    *) echo "test_gpu.sh: unknown stage '$stage' (engine, notebooks, tp_vllm)" >&2
        names+=("$stage"); rcs+=(2); secs+=(0); failed=1 ;;
   esac
 done
