@@ -101,7 +101,8 @@ def _write_settings(settings_dir: Path) -> None:
         p.write_text(json.dumps(value))
 
 
-def _request(lab_url: str, token: str, path: str, method: str = "GET", timeout: float = 2.0) -> int:
+def _call(lab_url: str, token: str, path: str, method: str = "GET", timeout: float = 2.0):
+    """One call to the lab's REST API: (status, body bytes)."""
     req = urllib.request.Request(
         lab_url + path,
         method=method,
@@ -109,7 +110,11 @@ def _request(lab_url: str, token: str, path: str, method: str = "GET", timeout: 
         data=b"" if method == "POST" else None,
     )
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return r.status
+        return r.status, r.read()
+
+
+def _request(lab_url: str, token: str, path: str, method: str = "GET", timeout: float = 2.0) -> int:
+    return _call(lab_url, token, path, method, timeout)[0]
 
 
 def shutdown_kernels(lab: Lab) -> int:
@@ -118,9 +123,7 @@ def shutdown_kernels(lab: Lab) -> int:
     A test that shares one lab with others calls this when done: a closed page leaves its kernel
     running, and with it the kernel's engine and memory."""
     def api(path: str, method: str = "GET"):
-        req = urllib.request.Request(lab.url + path, method=method, headers={"Authorization": f"token {lab.token}"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            body = r.read()
+        body = _call(lab.url, lab.token, path, method, timeout=30)[1]
         return json.loads(body) if body else None
 
     n = 0
