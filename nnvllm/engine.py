@@ -149,13 +149,16 @@ def _free_gpu_share(n: int) -> float | None:
 
 def _cpu_environment(tp: int) -> None:
     # vLLM reads these when the engine is built, not at import: set them here, never at import.
+    # The engine core in this process: at TP=1 the worker runs in it too (~3 s start instead of ~17 s,
+    # one process, no __main__ guard needed); at TP>1 the workers are vLLM's processes either way and
+    # this saves the EngineCore process between them (toy model, TP=2, 2-core box: start 38 s instead
+    # of 54 s, 78 instead of 95 CPU-s, session 14). (An AsyncLLM, as in the isolated server, keeps its
+    # EngineCore process either way; at TP=1 this makes vLLM run the worker inside EngineCore instead
+    # of a third process: measured 27 s start and 1.6 GB instead of 41 s and 2.3 GB.)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if tp == 1:
-        # In-process engine: ~3 s start instead of ~17 s, one process, no __main__ guard needed.
-        # (An AsyncLLM, as in the isolated server, keeps its EngineCore process either way; there
-        # this makes vLLM run the worker inside EngineCore instead of a third process: measured
-        # 27 s start and 1.6 GB instead of 41 s and 2.3 GB.)
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    elif "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        return
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # Without an explicit binding TP>1 fails with "Not enough allowed NUMA nodes".
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) < tp:
@@ -477,7 +480,9 @@ def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engi
         _cpu_environment(tp)
         engine_args = {**cpu_defaults(tp), **engine_args}
     quiet = cls is CPUModel and tp == 1 and mode == "sync" and not os.environ.get("NNVLLM_VERBOSE")
-    with real_stdout(), _c_stderr_to_log(quiet) as log, _one_gc_pass(_core_in_this_process(mode)):
+    # The isolated server's EngineCore forked instead of spawned on CPU at TP=1 (_compat.engine_core_by_fork).
+    fork = _compat.engine_core_by_fork() if cls is CPUModel and tp == 1 and mode == "async" else contextlib.nullcontext()
+    with real_stdout(), _c_stderr_to_log(quiet) as log, _one_gc_pass(_core_in_this_process(mode)), fork:
         m = cls(path, dispatch=True, mode=mode, **engine_args)
     m.arch = arch.in_engine(m._module)  # vLLM's tree (its Transformers backend moves the blocks)
     m.checkpoint = path
