@@ -335,12 +335,13 @@ def _build_model_classes():
             llm, self.vllm_entrypoint = self.vllm_entrypoint, None
             if llm is None:
                 return
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:
-                pass
-            del llm
-            VLLM._cleanup_distributed()
+            with _collections_deferred(_core_in_this_process("sync")):
+                try:
+                    llm.llm_engine.engine_core.shutdown()
+                except Exception:
+                    pass
+                del llm
+                VLLM._cleanup_distributed()
             gc.collect()
 
         def sleep(self, level: int = 1) -> None:
@@ -532,6 +533,28 @@ def _one_gc_pass(core_here: bool = True):
         # the start leave it): compared for equality, that left the heap frozen for good (the H200).
         if not ok or gc.get_freeze_count() <= ours:
             gc.unfreeze()
+
+
+@contextlib.contextmanager
+def _collections_deferred(core_here: bool = True):
+    """While an in-process engine shuts down: vLLM's ``gc.collect()`` calls do nothing (the caller
+    collects once afterwards, when the engine is unreferenced and its objects are garbage).
+
+    Where vLLM's EngineCore runs in this process (the CPU), its shutdown collects twice over the whole
+    heap (``EngineCore.shutdown`` unfreezes the heap, then ``cleanup_dist_env_and_memory`` and the
+    model runner's KV-cache cleanup collect), while the engine is still referenced from the closing
+    call, so those passes cannot free it: ~0.75 s each on the 2-core box, close 2.5 s instead of
+    ~1 s (session 14). Elsewhere (``core_here=False``) nothing changes.
+    """
+    if not core_here:
+        yield
+        return
+    real = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = real
 
 
 class _Log:

@@ -37,7 +37,7 @@ def test_a_second_in_process_engine_is_refused_and_the_first_keeps_working(toy_p
         assert nv.generate(m2, "The capital of France is", max_tokens=2).tokens[0]
 
 
-def test_a_start_walks_the_whole_heap_once_and_leaves_it_as_vllm_does(toy_path):
+def test_a_start_and_a_close_walk_the_whole_heap_once_each(toy_path):
     """nnvllm.engine._one_gc_pass: vLLM collects garbage about ten times while an in-process engine
     starts, each pass over every object of the process that runs its EngineCore (~2.5 s of a ~4.5 s
     start on the CPU box). Where that is this process (the CPU at TP=1), nnvllm collects once and
@@ -46,7 +46,9 @@ def test_a_start_walks_the_whole_heap_once_and_leaves_it_as_vllm_does(toy_path):
     process that has started an engine before (a first start imports much of vLLM, and the imports
     set off collections of their own). Where the EngineCore runs in its own process (the GPU), vLLM
     collects nothing here and nnvllm adds nothing: no full collection here during the start (lane K
-    on the H200 found the heap left frozen by the old code, which collected and froze it anyway)."""
+    on the H200 found the heap left frozen by the old code, which collected and froze it anyway).
+    Closing (nnvllm.engine._collections_deferred): one full collection, after which the engine is
+    gone, instead of vLLM's two during its shutdown and nnvllm's one after it."""
     import gc
     import weakref
 
@@ -88,8 +90,20 @@ def test_a_start_walks_the_whole_heap_once_and_leaves_it_as_vllm_does(toy_path):
             assert not full, f"{len(full)} full collections in this process while an engine started elsewhere"
             assert gc.get_freeze_count() == frozen_before, "the start froze or unfroze this process's heap"
         assert nv.generate(model, "The capital of France is", max_tokens=2).tokens[0]
+        engine = weakref.ref(model.llm.llm_engine)
+        full.clear()
+        gc.callbacks.append(count)
     finally:
-        model.close()
+        try:
+            model.close()
+        finally:
+            if count in gc.callbacks:
+                gc.callbacks.remove(count)
+    # nnvllm.engine._collections_deferred: where the core runs here, vLLM's shutdown collects nothing
+    # and close collects once, after which the engine is gone (it collected three times before).
+    if core_here:
+        assert len(full) == 1, f"{len(full)} full collections during close"
+    assert engine() is None, "the closed engine is still alive"
     if core_here:
         assert gc.get_freeze_count() == 0  # vLLM's shutdown unfroze it
     else:
