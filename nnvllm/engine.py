@@ -156,6 +156,7 @@ def _cpu_environment(tp: int) -> None:
     # EngineCore process either way; at TP=1 this makes vLLM run the worker inside EngineCore instead
     # of a third process: measured 27 s start and 1.6 GB instead of 41 s and 2.3 GB.)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    _compat.shorter_busy_loop()  # TP>1: the executor's reads of its workers' replies (_compat)
     if tp == 1:
         return
     if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -481,8 +482,8 @@ def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engi
         _cpu_environment(tp)
         engine_args = {**cpu_defaults(tp), **engine_args}
     quiet = cls is CPUModel and tp == 1 and mode == "sync" and not os.environ.get("NNVLLM_VERBOSE")
-    # The isolated server's EngineCore forked instead of spawned on CPU at TP=1 (_compat.engine_core_by_fork).
-    fork = _compat.engine_core_by_fork() if cls is CPUModel and tp == 1 and mode == "async" else contextlib.nullcontext()
+    # The isolated server's EngineCore forked instead of spawned on CPU (_compat.engine_core_by_fork).
+    fork = _compat.engine_core_by_fork() if cls is CPUModel and mode == "async" else contextlib.nullcontext()
     with real_stdout(), _c_stderr_to_log(quiet) as log, _one_gc_pass(_core_in_this_process(mode)), fork:
         m = cls(path, dispatch=True, mode=mode, **engine_args)
     m.arch = arch.in_engine(m._module)  # vLLM's tree (its Transformers backend moves the blocks)

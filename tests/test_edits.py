@@ -172,3 +172,17 @@ def test_a_tp_engine_captures_what_transformers_computes(model, fidelity):
         for s in sites:
             hf.check(run.sites[s][i], TOL, lambda r, s=s, i=i: r.sites[s][i], f"{kind} {s}[{i}]")
     assert lens.top_ids[-1, len(run.prompt_ids[0]) - 1, 0] == run.tokens[0][0]
+    if kind == "llama" and not torch.cuda.is_available():
+        # _compat.engine_core_by_fork at TP>1: the server's EngineCore forked, its workers spawned (a
+        # process's /proc environ is what it was exec'd with; only a spawned one holds NNVLLM_SERVER_PID,
+        # which the server sets at start: test_isolated.py::test_the_engine_core_is_forked_from_the_server_on_cpu).
+        import psutil
+
+        def spawned(p) -> bool:
+            with open(f"/proc/{p.pid}/environ", "rb") as f:
+                return any(v.startswith(b"NNVLLM_SERVER_PID=") for v in f.read().split(b"\0"))
+
+        (core,) = psutil.Process(m.pid).children()
+        workers = core.children()
+        assert not spawned(core) and len(workers) >= 2 and all(spawned(w) for w in workers), \
+            [(p.cmdline()[:1], spawned(p)) for p in [core, *workers]]

@@ -180,3 +180,24 @@ def test_tp_logit_lens_gathers_the_unembedding(toy, toy_path, tp, fidelity):
     seq = toy.tokenizer.encode(PROMPT) + lens.generated[:-1]
     hf = fidelity.calibrated(lambda device: _hf_lens_probs(toy_path, seq, device))
     hf.check(lens.top_probs, 1e-4, lambda ref: ref.topk(5, dim=-1).values, "top-5 lens probs")
+
+
+def _busy_loop_default(_worker=None) -> float:
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    return SpinCondition.__init__.__defaults__[-1]
+
+
+@pytest.mark.tp
+def test_tp_ranks_spin_briefly_after_a_read_on_cpu(toy):
+    """_compat.shorter_busy_loop: on CPU the executor (here, this process: the engine core runs
+    in-process) and every worker read vLLM's message queues spinning 0.1 s after a read, not vLLM's 1 s
+    (spinning readers took the cores the ranks compute on)."""
+    import torch
+
+    from nnvllm._compat import CPU_BUSY_LOOP_S
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU engines only: on a GPU vLLM's 1 s stays")
+    assert _busy_loop_default() == CPU_BUSY_LOOP_S
+    assert toy.llm.collective_rpc(_busy_loop_default) == [CPU_BUSY_LOOP_S] * toy.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
