@@ -103,7 +103,7 @@ def test_a_start_and_a_close_walk_the_whole_heap_once_each(toy_path):
     # and close collects once, after which the engine is gone (it collected three times before).
     if core_here:
         assert len(full) == 1, f"{len(full)} full collections during close"
-    assert engine() is None, "the closed engine is still alive"
+        assert engine() is None, "the closed engine is still alive"
     if core_here:
         assert gc.get_freeze_count() == 0  # vLLM's shutdown unfroze it
     else:
