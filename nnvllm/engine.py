@@ -459,6 +459,11 @@ def _graph_args(graphs: bool, kwargs: dict) -> dict:
 
 def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engine_args: Any):
     """Build and dispatch nnvllm's model class in this process (``mode="async"``: the server's AsyncLLM)."""
+    with _start_collections(mode):
+        return _start(model, mode=mode, **engine_args)
+
+
+def _start(model: str | os.PathLike | None, *, mode: str, **engine_args: Any):
     _compat.check_versions()
     open_ = _other_in_process_engines(None)
     if open_ and mode == "sync":
@@ -484,7 +489,7 @@ def _build_engine(model: str | os.PathLike | None, *, mode: str = "sync", **engi
     quiet = cls is CPUModel and tp == 1 and mode == "sync" and not os.environ.get("NNVLLM_VERBOSE")
     # The isolated server's EngineCore forked instead of spawned on CPU (_compat.engine_core_by_fork).
     fork = _compat.engine_core_by_fork() if cls is CPUModel and mode == "async" else contextlib.nullcontext()
-    with real_stdout(), _c_stderr_to_log(quiet) as log, _one_gc_pass(_core_in_this_process(mode)), fork:
+    with real_stdout(), _c_stderr_to_log(quiet) as log, fork:
         m = cls(path, dispatch=True, mode=mode, **engine_args)
     m.arch = arch.in_engine(m._module)  # vLLM's tree (its Transformers backend moves the blocks)
     m.checkpoint = path
@@ -501,39 +506,72 @@ def _core_in_this_process(mode: str) -> bool:
     return mode == "sync" and not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING
 
 
-@contextlib.contextmanager
-def _one_gc_pass(core_here: bool = True):
-    """One full garbage collection for an engine start instead of vLLM's several.
+_STARTING: tuple | None = None  # (gc.collect as it was, gc was enabled) while an engine starts here
 
-    vLLM runs ``gc.collect()`` after every weight load and KV-cache profile and before freezing the
-    heap (``base_loader.load_model``, ``_cleanup_profiling_kv_cache``, ``gc_utils.freeze_gc_heap``),
-    in the process that runs its EngineCore: each pass walks every object of the process, ~0.5 s in a
-    process that has imported torch and vLLM (the 2-core CPU box); a repeat in-process start took
-    4.3-4.9 s with them, 2.0-2.2 s without. Here the heap is collected once and frozen (``gc.freeze``:
-    later passes skip what exists now), so vLLM's passes walk only what the start creates, and free
-    the same garbage. vLLM freezes the whole heap itself at the end of an in-process start and
-    unfreezes it at shutdown (``EngineCore.shutdown``, ``cleanup_dist_env_and_memory``): where it did,
-    the heap stays frozen as vLLM left it; after a failed start it is unfrozen again. A heap someone
-    else froze is left alone, and so is this process's heap when the EngineCore runs in another
-    process (``core_here=False``: the GPU, the isolated server), where vLLM collects nothing here
-    and an extra pass would only cost time.
+
+@contextlib.contextmanager
+def _start_collections(mode: str):
+    """While an engine starts (its imports of torch, transformers, nnsight and vLLM included): no
+    automatic garbage collections, and each full collection vLLM asks for walks only what was made
+    since the one before.
+
+    A process that starts an engine walks its whole heap again and again: while it imports vLLM,
+    Python's automatic full collections (a dozen over a heap that keeps growing), then vLLM's own
+    ``gc.collect()`` after every weight load and KV-cache profile and before it freezes the heap
+    (``base_loader.load_model``, ``_cleanup_profiling_kv_cache``, ``gc_utils.freeze_gc_heap``) where
+    its EngineCore runs: 17 full passes, ~6 s of a ~20 s first start of the toy engine on the 2-core
+    CPU box (session 15). Here automatic collection is off for the start, and where the EngineCore
+    runs in this process (``_core_in_this_process``: the CPU at TP=1 and in-process TP>1) each of
+    vLLM's full collections freezes what survives it (``gc.freeze``), so the next one walks only what
+    the start made since: the same garbage is freed (what the start makes and drops, vLLM's reason
+    for collecting), and the heap ends frozen, as vLLM leaves it at the end of a start anyway (and
+    unfreezes at shutdown). Where the EngineCore runs elsewhere, nothing is frozen here, and a
+    process forked during the start (vLLM's EngineCore: the GPU, the isolated server) gets collection
+    back at once, its inherited heap frozen (vLLM freezes it at the end of the EngineCore's start).
+    A heap someone else froze is not frozen further; after a failed start a heap frozen here is
+    unfrozen again.
     """
-    if not core_here or gc.get_freeze_count():
-        yield
-        return
-    gc.collect()
-    gc.freeze()
-    ours = gc.get_freeze_count()
+    global _STARTING
+    real, enabled, frozen = gc.collect, gc.isenabled(), gc.get_freeze_count()
+    core_here: list = []
+
+    def collect(generation: int = 2) -> int:
+        n = real(generation)
+        if generation == 2 and not frozen:
+            if not core_here:
+                core_here.append(_core_in_this_process(mode))
+            if core_here[0]:
+                gc.freeze()
+        return n
+
+    if not getattr(_collections_in_forked_child, "registered", False):
+        os.register_at_fork(after_in_child=_collections_in_forked_child)
+        _collections_in_forked_child.registered = True
+    gc.disable()
+    gc.collect = collect
+    _STARTING = (real, enabled)
     ok = False
     try:
         yield
         ok = True
     finally:
-        # vLLM's own freeze at the end of a start moves everything the start made into the frozen
-        # generation: the count jumps. Without it the count only falls (frozen objects freed during
-        # the start leave it): compared for equality, that left the heap frozen for good (the H200).
-        if not ok or gc.get_freeze_count() <= ours:
+        _STARTING = None
+        gc.collect = real
+        if enabled:
+            gc.enable()
+        if not ok and not frozen:
             gc.unfreeze()
+
+
+def _collections_in_forked_child() -> None:
+    global _STARTING
+    if _STARTING is not None:  # forked while an engine starts (vLLM's EngineCore): collect as usual
+        real, enabled = _STARTING
+        _STARTING = None
+        gc.collect = real
+        gc.freeze()  # the inherited heap: the imports, all of it lasting
+        if enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -38,13 +40,13 @@ def test_a_second_in_process_engine_is_refused_and_the_first_keeps_working(toy_p
 
 
 def test_a_start_and_a_close_walk_the_whole_heap_once_each(toy_path):
-    """nnvllm.engine._one_gc_pass: vLLM collects garbage about ten times while an in-process engine
-    starts, each pass over every object of the process that runs its EngineCore (~2.5 s of a ~4.5 s
-    start on the CPU box). Where that is this process (the CPU at TP=1), nnvllm collects once and
-    freezes the heap, so vLLM's passes walk only what the start creates. Counted here: full
-    collections while nothing is frozen (five before the change on the CPU box, one after it), in a
-    process that has started an engine before (a first start imports much of vLLM, and the imports
-    set off collections of their own). Where the EngineCore runs in its own process (the GPU), vLLM
+    """nnvllm.engine._start_collections: vLLM collects garbage about ten times while an in-process
+    engine starts, each pass over every object of the process that runs its EngineCore (~2.5 s of a
+    ~4.5 s start on the CPU box). Where that is this process (the CPU at TP=1), the first pass freezes
+    the heap, so the others walk only what the start creates. Counted here: full collections while
+    nothing is frozen (five before the change on the CPU box, one after it), in a process that has
+    started an engine before (a first start imports much of vLLM; its imports' automatic passes are
+    off during the start too). Where the EngineCore runs in its own process (the GPU), vLLM
     collects nothing here and nnvllm adds nothing: no full collection here during the start (lane K
     on the H200 found the heap left frozen by the old code, which collected and froze it anyway).
     Closing (nnvllm.engine._collections_deferred): one full collection, after which the engine is
@@ -113,35 +115,82 @@ def test_a_start_and_a_close_walk_the_whole_heap_once_each(toy_path):
     assert gc.get_freeze_count() == frozen_before  # a failed start leaves the heap as it found it
 
 
-def test_the_heap_is_left_alone_where_the_engine_core_runs_elsewhere(monkeypatch):
-    """_one_gc_pass collects and freezes only for an engine whose EngineCore runs in this process."""
+def test_an_engine_start_collects_only_what_it_made(monkeypatch):
+    """_start_collections, the context every engine start runs in: no automatic collection during it;
+    a full collection (vLLM's) still frees garbage, and where the EngineCore runs in this process it
+    freezes what survives, so the next one walks only what came after; elsewhere nothing is frozen.
+    A process forked during the start (vLLM's EngineCore on the GPU and in the isolated server)
+    collects as usual from the start, its inherited heap frozen. A failed start unfreezes the heap."""
     import gc
+    import weakref
 
-    from nnvllm.engine import _core_in_this_process, _one_gc_pass
+    from nnvllm import engine
+    from nnvllm.engine import _core_in_this_process, _start_collections
 
+    class Cycle:
+        pass
+
+    def garbage():
+        c = Cycle()
+        c.me = c
+        return weakref.ref(c)
+
+    real = gc.collect
+    before = gc.get_freeze_count()
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default, the GPU's
     assert not _core_in_this_process("sync")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # nnvllm's CPU engine at TP=1
     assert _core_in_this_process("sync")
     assert not _core_in_this_process("async")  # the isolated server's AsyncLLM
     full: list = []
+    passes: list = []
 
     def count(phase, info):
-        if phase == "start" and info["generation"] == 2:
-            full.append(1)
+        if phase == "start":
+            passes.append(info["generation"])
+            if info["generation"] == 2:
+                full.append(1)
 
-    before = gc.get_freeze_count()
     gc.callbacks.append(count)
     try:
-        with _one_gc_pass(False):
-            assert gc.get_freeze_count() == before
-        assert not full
-        doomed = [[] for _ in range(100)]  # frozen by the pass below, then freed during the "start"
-        with _one_gc_pass(True):
-            if not before:  # (a heap frozen by someone else is left alone: no pass)
-                assert gc.get_freeze_count() > 0
-            del doomed  # the frozen count falls: a start that vLLM did not freeze at its end
-        assert len(full) == (0 if before else 1)
+        with _start_collections("async"):  # the EngineCore runs elsewhere
+            assert not gc.isenabled()
+            for _ in range(20_000):  # allocations that set off many automatic passes: none runs
+                garbage()
+            assert not passes
+            gone = garbage()
+            gc.collect()
+            assert gone() is None and len(full) == 1
+            assert gc.get_freeze_count() == before  # nothing frozen here
+        assert gc.isenabled() and gc.collect is real
+        full.clear()
+        with pytest.raises(RuntimeError, match="failed"), _start_collections("sync"):  # the core here
+            gone = garbage()
+            gc.collect()
+            assert gone() is None
+            if not before:  # (a heap frozen by someone else is not frozen further)
+                frozen = gc.get_freeze_count()
+                assert frozen > 0
+                gone = garbage()
+                gc.collect()  # walks what came after the first: the garbage made since is freed
+                assert gone() is None and gc.get_freeze_count() >= frozen
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # vLLM's EngineCore, forked during the start
+                try:
+                    state = (gc.isenabled(), gc.collect is real, gc.get_freeze_count() > 0,
+                             engine._STARTING is None)
+                    os.write(write, repr(state).encode())
+                finally:
+                    os._exit(0)
+            os.close(write)
+            with os.fdopen(read) as f:
+                child = f.read()
+            os.waitpid(pid, 0)
+            assert child == "(True, True, True, True)", child
+            assert not gc.isenabled() and gc.collect is not real  # the start goes on here
+            raise RuntimeError("the start failed")
+        assert gc.isenabled() and gc.collect is real
     finally:
         gc.callbacks.remove(count)
-    assert gc.get_freeze_count() == before  # nothing froze meanwhile: unfrozen again on the way out
+    assert gc.get_freeze_count() == before  # the failed start unfroze what it froze
