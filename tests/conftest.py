@@ -28,6 +28,7 @@ def tp(request) -> int:
 def pytest_collection_modifyitems(config, items):
     if hasattr(config, "workerinput"):  # a pytest-xdist worker: its order is the order units are dealt out
         _slowest_first(items)
+        _one_engine_start_each(items)  # within the shared-engine unit
     elif getattr(config.option, "dist", "no") == "no":  # one process (the TP=2 stage): engines in turn
         _one_engine_start_each(items)
     tp = config.getoption("--tp")
@@ -51,6 +52,23 @@ def pytest_collection_modifyitems(config, items):
 # tests share the file's module-scoped engines.
 SPLIT_BY_CASE = ("tests/test_families.py",)
 
+# Test files whose engines are shared (shared_engine below): an engine stays open after its file for
+# the next file that asks for the same checkpoint and arguments. Under pytest-xdist they are one work
+# unit, run back to back by one worker, checkpoint by checkpoint (_one_engine_start_each): three
+# engine starts (toy, llama, gpt2) at TP=1 instead of fifteen, ~4 CPU-s each on the 2-core box
+# (session 15); in one process (the TP=2 stage) the same order. Their tests must leave the engine as
+# they found it: what one leaves armed shows in the next.
+SHARED_ENGINE_FILES = (
+    "test_vllm.py", "test_edits.py", "test_stream.py", "test_engine.py", "test_widgets.py", "test_store.py",
+    "test_analyses.py", "test_capture.py", "test_bad_input.py", "test_bad_input_more.py", "test_interrupt.py",
+)
+SHARED_UNIT = "tests/(shared engines)"
+
+
+def _shares(path) -> bool:
+    """Whether the test file at ``path`` (a node id or a module's file) takes its engines from shared_engine."""
+    return str(path).split("::", 1)[0].replace("\\", "/").rsplit("/", 1)[-1] in SHARED_ENGINE_FILES
+
 
 # Seconds each test file takes on the 2-core CPU machine at TP=1 (junit of a 2-worker run, 2026-12-01,
 # chromium present; test_families.py in all, its cases dealt out one by one; test_isolated.py since
@@ -73,8 +91,11 @@ FILE_SECONDS = {
 
 
 def _unit(nodeid: str) -> str:
-    """The xdist work unit of a test: its file, or for a file in SPLIT_BY_CASE its case."""
+    """The xdist work unit of a test: its file; for a file in SPLIT_BY_CASE its case; for the files of
+    SHARED_ENGINE_FILES one unit for all of them."""
     file = nodeid.split("::", 1)[0]
+    if _shares(file):
+        return SHARED_UNIT
     if file.endswith(SPLIT_BY_CASE) and nodeid.endswith("]"):
         return file + "[" + nodeid.rsplit("[", 1)[1]
     return file
@@ -84,9 +105,12 @@ def _slowest_first(items) -> None:
     units: dict = {}  # file -> its units
     for item in items:
         units.setdefault(item.nodeid.split("::", 1)[0], set()).add(_unit(item.nodeid))
+    shared = sum(FILE_SECONDS.get(f.rsplit("/", 1)[-1], 0) for f in units if _shares(f))
 
-    def seconds(item) -> float:  # a file's seconds, shared by its units
+    def seconds(item) -> float:  # a file's seconds, shared by its units; the shared unit's: its files'
         file = item.nodeid.split("::", 1)[0]
+        if _shares(file):
+            return shared
         return FILE_SECONDS.get(file.rsplit("/", 1)[-1], 0) / len(units[file])
 
     # stable: the tests of one file keep their order (module-scoped engines, parametrization)
@@ -94,16 +118,16 @@ def _slowest_first(items) -> None:
 
 
 def _one_engine_start_each(items) -> None:
-    """Run the tests of the engine-sharing modules (``SHARES_ENGINES``) checkpoint by checkpoint.
+    """Run the tests of the engine-sharing files (``SHARED_ENGINE_FILES``) checkpoint by checkpoint.
 
     In one process the shared engine lives from module to module (shared_engine below), but pytest
     keeps a module's parametrized cases together: test_vllm (toy), test_edits (toy, llama),
     test_stream (llama, toy) started three TP=2 engines, toy twice (38 s on the 2-core CPU box). Here
-    the toy cases of all three run before the llama cases: two starts. Module fixtures are set up again
-    when a module is re-entered (cheap; the engine is the shared one). Other tests keep their places.
+    the toy cases of all of them run before the llama cases: one start per checkpoint. Module fixtures
+    are set up again when a module is re-entered (cheap; the engine is the shared one). Other tests
+    keep their places.
     """
-    slots = [i for i, item in enumerate(items)  # (a notebook item has no module)
-             if getattr(getattr(item, "module", None), "SHARES_ENGINES", False)]
+    slots = [i for i, item in enumerate(items) if _shares(item.nodeid)]
     order: dict = {}
     for i in slots:
         order.setdefault(_checkpoint_of(items[i]), len(order))
@@ -113,9 +137,12 @@ def _one_engine_start_each(items) -> None:
 
 
 def _checkpoint_of(item) -> str:
-    """The checkpoint an engine-sharing test runs on: its ``model`` parameter, else the toy model."""
+    """The checkpoint an engine-sharing test runs on: its ``model`` (or ``engine``) parameter, else the
+    toy model."""
     callspec = getattr(item, "callspec", None)
-    return str(callspec.params.get("model", "toy")) if callspec is not None else "toy"
+    if callspec is None:
+        return "toy"
+    return str(callspec.params.get("model", callspec.params.get("engine", "toy")))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -207,12 +234,10 @@ def _engine(path, tp):
 
 
 # ------------------------------------------------------------------ engines shared across test files
-# A module that sets ``SHARES_ENGINES = True`` takes its engines from shared_engine(): the engine stays
-# open after the module, for the next module that asks for the same checkpoint and arguments (the
-# TP=2 stage runs test_vllm, test_edits and test_stream one after the other: three engine starts
-# instead of five). Only one in-process engine may live in a process, so the shared one is closed
-# before any other module starts (the autouse fixture below) and at the end of the session. Tests in
-# those modules must leave the engine as they found it: what one leaves armed shows in the next.
+# The files of SHARED_ENGINE_FILES take their engines from shared_engine(): the engine stays open after
+# the file, for the next file that asks for the same checkpoint and arguments. Only one in-process
+# engine may live in a process, so the shared one is closed before any other test file starts (the
+# autouse fixture below) and at the end of the session.
 
 _SHARED: dict = {}
 
@@ -225,7 +250,10 @@ def _is_open(model) -> bool:
 
 def shared_engine(path, tp, **kw):
     import nnvllm as nv
+    from nnvllm.engine import default_isolate
 
+    if kw.get("isolate") is False and not default_isolate():
+        del kw["isolate"]  # (the default here: the same engine as the files that do not say it)
     args = engine_kwargs(tp, **kw)
     key = (str(path), repr(sorted(args.items())))
     held = _SHARED.get("engine")
@@ -255,7 +283,7 @@ def release_shared_engine() -> None:
 
 @pytest.fixture(autouse=True, scope="module")
 def _shared_engine_only_where_shared(request):
-    if not getattr(request.module, "SHARES_ENGINES", False):
+    if not _shares(request.module.__file__):
         release_shared_engine()
     yield
 
@@ -268,7 +296,7 @@ def _shared_engine_closed_at_the_end():
 
 @pytest.fixture(scope="module")
 def toy(request, toy_path, tp):
-    if getattr(request.module, "SHARES_ENGINES", False):
+    if _shares(request.module.__file__):
         yield shared_engine(toy_path, tp)
         return
     model = _engine(toy_path, tp)

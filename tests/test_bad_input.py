@@ -14,7 +14,7 @@ import re
 import pytest
 
 import nnvllm as nv
-from conftest import engine_kwargs
+from conftest import shared_engine
 
 CLEAN = "The capital of France is"
 LONG = " ".join(["Paris"] * 40)  # ~40 tokens: the toy model's context is 64
@@ -107,9 +107,8 @@ ISOLATED_ROWS = [r for r in ROWS if _id(r) in ISOLATED]
 @pytest.fixture(scope="module")
 def engine(toy_path):
     """The module's in-process engine and its answer to CLEAN (the isolated rows run in test_isolated.py)."""
-    model = nv.load(toy_path, isolate=False, **engine_kwargs(1))
+    model = shared_engine(toy_path, 1, isolate=False)  # conftest.SHARED_ENGINE_FILES
     yield model, nv.generate(model, CLEAN, max_tokens=2).text[0]
-    model.close()
 
 
 def _refused_then_still_answers(model, before: str, kwargs: dict, exc: type, needle: str) -> None:

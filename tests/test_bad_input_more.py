@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import engine_kwargs
+from conftest import shared_engine
 
 import nnvllm as nv
 import nnvllm.engine as engine_mod
@@ -158,11 +158,10 @@ def test_valid_load_passes_the_checks(no_engine, tmp_path, row):
 
 @pytest.fixture(scope="module")
 def toy_engine(toy_path):
-    model = nv.load(toy_path, isolate=False, **engine_kwargs(1))
+    model = shared_engine(toy_path, 1, isolate=False)  # conftest.SHARED_ENGINE_FILES
     before = nv.generate(model, CLEAN, max_tokens=2).text[0]
     assert before.startswith(" Paris")
     yield model, before
-    model.close()
 
 
 def _patch(**kw):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import nnvllm as nv
-from conftest import engine_kwargs
+from conftest import shared_engine
 
 PROMPTS = ["The capital of France is", "The Eiffel Tower is in the city of", "Paris is"]
 SITES = ("attn", "mlp", "mlp_in", "mlp_act")
@@ -20,9 +20,7 @@ TOL = 1e-3  # fp32, CPU; see the fidelity fixture for GPUs
 @pytest.fixture(scope="module", params=["toy", "gpt2", "llama"])
 def engine(request, toy_path, tiny_paths, tp):
     path = toy_path if request.param == "toy" else tiny_paths[request.param]
-    model = nv.load(path, **engine_kwargs(tp))
-    yield path, model
-    model.close()
+    return path, shared_engine(path, tp)  # conftest.SHARED_ENGINE_FILES
 
 
 def _maxdiff(a, b):

@@ -95,6 +95,7 @@ def test_importing_nnvllm_and_compat_imports_no_engine():
 # the 2-core box). First what importing nnvllm's model classes does to torch.cuda, then (which imports
 # the serve app and vLLM's CPU worker) which private names are missing.
 FRESH = """
+import gc; gc.disable()  # (no automatic collections while it imports vLLM: ~4 s less; none of it is about gc)
 import json, sys, torch
 out = {}
 cs = torch.cuda.current_stream

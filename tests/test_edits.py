@@ -18,7 +18,7 @@ PROMPTS = ["The capital of France is", "Paris is the capital of"]
 TOL = 1e-3  # fp32, CPU; the fidelity fixture calibrates it on a GPU
 
 
-SHARES_ENGINES = True  # with test_vllm.py and test_stream.py (conftest.shared_engine)
+# Engines shared with other test files: conftest.SHARED_ENGINE_FILES.
 
 
 @pytest.fixture(scope="module", params=["toy", "llama"])

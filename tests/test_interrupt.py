@@ -12,7 +12,7 @@ import time
 import pytest
 
 import nnvllm as nv
-from conftest import engine_kwargs
+from conftest import shared_engine
 
 PROMPTS = [f"The capital of {c} is" for c in list(nv.toy.CAPITALS)[:16]]
 
@@ -48,9 +48,8 @@ def _interrupt_then_check(model, busy, delay=0.0):
 
 @pytest.fixture(scope="module")
 def in_process_toy(toy_path):
-    model = nv.load(toy_path, isolate=False, **engine_kwargs(1))  # on a GPU the default is isolated
-    yield model
-    model.close()
+    # on a GPU the default is isolated; engines shared: conftest.SHARED_ENGINE_FILES
+    return shared_engine(toy_path, 1, isolate=False)
 
 
 def test_interrupt_in_process(in_process_toy):

@@ -19,7 +19,7 @@ from nnvllm.lens import lens_topk
 PROMPTS = ["The capital of France is", "Paris is the capital of", "The capital of Italy is"]
 
 
-SHARES_ENGINES = True  # with test_vllm.py and test_edits.py (conftest.shared_engine)
+# Engines shared with other test files: conftest.SHARED_ENGINE_FILES.
 
 
 # (run toy first with the other engine-sharing modules, then llama: conftest._one_engine_start_each)

@@ -15,7 +15,7 @@ import nnvllm as nv
 from nnvllm.reference import load_reference
 
 PROMPT = "The capital of France is"
-SHARES_ENGINES = True  # the toy engine, with test_edits.py and test_stream.py (conftest.shared_engine)
+# Engines shared with other test files: conftest.SHARED_ENGINE_FILES.
 
 
 def test_max_token_generation_yields_one_logits_row_per_token(toy):
