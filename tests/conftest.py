@@ -31,6 +31,7 @@ def pytest_collection_modifyitems(config, items):
         _one_engine_start_each(items)  # within the shared-engine unit
     elif getattr(config.option, "dist", "no") == "no":  # one process (the TP=2 stage): engines in turn
         _one_engine_start_each(items)
+    _notebooks_run_in_the_browser(config, items)
     tp = config.getoption("--tp")
     try:
         import torch
@@ -43,6 +44,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="TP-only test: run with --tp 2"))
         if "gpu" in item.keywords and not cuda:
             item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
+def _notebooks_run_in_the_browser(config, items) -> None:
+    """Leave out nbmake's run of a notebook that a browser test of this session runs whole.
+
+    tests/test_browser.py::test_lens_notebook_in_browser runs notebooks/01 with Run All in JupyterLab
+    and fails unless every cell ran without an error (``browser.run_all``), as nbmake does, then uses
+    its widget. Both in one session (make test) ran the notebook twice, each in a kernel of its own
+    that imports vLLM and starts an engine: ~25 CPU-s of the 2-core box (session 15). Where the
+    browser test cannot run (no chromium or playwright, or deselected), nbmake's run stays.
+    """
+    test = next((i for i in items if i.nodeid.endswith("test_browser.py::test_lens_notebook_in_browser")), None)
+    if test is None or test.module.browser.missing_requirements():
+        return
+    notebook = test.module.LENS_NOTEBOOK  # "notebooks/01_logit_lens.ipynb"
+    gone = [i for i in items if i.nodeid.split("::", 1)[0].endswith(notebook)]
+    if gone:
+        config.hook.pytest_deselected(items=gone)
+        items[:] = [i for i in items if i not in gone]
 
 
 # Test files whose parametrized cases each start an engine of their own: under pytest-xdist's
@@ -61,6 +81,7 @@ SPLIT_BY_CASE = ("tests/test_families.py",)
 SHARED_ENGINE_FILES = (
     "test_vllm.py", "test_edits.py", "test_stream.py", "test_engine.py", "test_widgets.py", "test_store.py",
     "test_analyses.py", "test_capture.py", "test_bad_input.py", "test_bad_input_more.py", "test_interrupt.py",
+    "test_analyses_llama.py",
 )
 SHARED_UNIT = "tests/(shared engines)"
 
@@ -137,12 +158,10 @@ def _one_engine_start_each(items) -> None:
 
 
 def _checkpoint_of(item) -> str:
-    """The checkpoint an engine-sharing test runs on: its ``model`` (or ``engine``) parameter, else the
-    toy model."""
-    callspec = getattr(item, "callspec", None)
-    if callspec is None:
-        return "toy"
-    return str(callspec.params.get("model", callspec.params.get("engine", "toy")))
+    """The checkpoint an engine-sharing test runs on: its ``model`` (or ``engine``) parameter, else its
+    module's ``CHECKPOINT``, else the toy model."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return str(params.get("model", params.get("engine", getattr(item.module, "CHECKPOINT", "toy"))))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 import nnvllm as nv
-from conftest import engine_kwargs
+from conftest import engine_kwargs, shared_engine
 from test_analyses import _hf_lens_probs, _hf_patched_diff, _summary
+
+CHECKPOINT = "llama"  # its shared engine's (conftest._checkpoint_of)
 
 
 @pytest.fixture(scope="module")
 def llama(tiny_paths, tp):
-    model = nv.load(tiny_paths["llama"], **engine_kwargs(tp))
-    yield tiny_paths["llama"], model
-    model.close()
+    return tiny_paths["llama"], shared_engine(tiny_paths["llama"], tp)  # conftest.SHARED_ENGINE_FILES
 
 
 def test_llama_lens_matches_transformers(llama, fidelity):
@@ -43,7 +43,7 @@ def test_compare_bf16_engine_with_fp32_reference(llama, fidelity):
     path, model = llama
     prompts = ["The capital of France is", "Paris is the capital of"]
     fp32 = nv.generate(model, prompts, max_tokens=4, ignore_eos=True)
-    model.close()
+    model.close()  # the shared engine: a later test that asks for it starts it again
     bf16_model = nv.load(path, **engine_kwargs(dtype="bfloat16"))
     try:
         bf16 = nv.generate(bf16_model, prompts, max_tokens=4, ignore_eos=True)
