@@ -533,20 +533,13 @@ def _start_collections(mode: str):
     """
     global _STARTING
     real, enabled, frozen = gc.collect, gc.isenabled(), gc.get_freeze_count()
-    core_here: list = []
 
     def collect(generation: int = 2) -> int:
         n = real(generation)
-        if generation == 2 and not frozen:
-            if not core_here:
-                core_here.append(_core_in_this_process(mode))
-            if core_here[0]:
-                gc.freeze()
+        if generation == 2 and not frozen and _core_in_this_process(mode):
+            gc.freeze()
         return n
 
-    if not getattr(_collections_in_forked_child, "registered", False):
-        os.register_at_fork(after_in_child=_collections_in_forked_child)
-        _collections_in_forked_child.registered = True
     gc.disable()
     gc.collect = collect
     _STARTING = (real, enabled)
@@ -572,6 +565,9 @@ def _collections_in_forked_child() -> None:
         gc.freeze()  # the inherited heap: the imports, all of it lasting
         if enabled:
             gc.enable()
+
+
+os.register_at_fork(after_in_child=_collections_in_forked_child)  # (a no-op unless an engine is starting)
 
 
 @contextlib.contextmanager
