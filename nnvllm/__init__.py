@@ -29,23 +29,35 @@ The public verbs, one hop from here:
 Importing nnvllm imports neither vLLM nor nnsight and changes no global state.
 """
 
-from . import sampling, toy
+from . import sampling
 from .analyses import logit_lens, patch, steering_vector
 from .arch import ARCHS, Arch, register_arch
 from .capture import generate
 from .compare import Discrepancy, compare
 from .edits import Edit
 from .engine import EngineInfo, engines, load
-from .isolated import EngineDied
+from .engine.isolated import EngineDied
 from .lens import Lens
 from .patching import PatchResult
 from .reference import reference
 from .results import Run, Samples
+from .sae import SAE
 from .store import Dataset, collect
 from .streaming import Step, Stream, stream
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # nnvllm.toy loads on first use: imported eagerly here, it would already be in sys.modules when
+    # `python -m nnvllm.toy` runs it as __main__, and runpy warns about exactly that.
+    if name == "toy":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.toy")
+    raise AttributeError(f"module 'nnvllm' has no attribute {name!r}")
+
 __all__ = ["load", "engines", "EngineDied", "generate", "stream", "Stream", "Step", "Edit", "steering_vector", "collect", "reference", "logit_lens", "patch", "compare",
            "Run", "Samples", "Lens", "PatchResult", "Discrepancy", "Dataset", "EngineInfo", "Arch", "ARCHS",
-           "register_arch", "sampling", "toy",
+           "register_arch", "SAE", "sampling", "toy",
            "__version__"]

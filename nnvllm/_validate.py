@@ -10,8 +10,10 @@ value, ``ValueError`` for a right kind out of range.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,8 +21,9 @@ import numpy as np
 
 from .arch import SITES
 
-__all__ = ["DTYPES", "SEED_MAX", "boolean", "dtype", "engine_args", "fits_context", "integer", "layers", "number",
-           "prompts", "rng_seed", "sampling", "sites", "token_id"]
+__all__ = ["DTYPES", "SEED_MAX", "boolean", "checkpoint", "dtype", "engine_args", "engine_fits", "fits_context",
+           "integer", "layers", "number", "parse_bytes", "prompts", "request_seed", "request_seeds", "rng_seed",
+           "sampling", "seed", "sites", "token_id", "top_k"]
 
 SEED_MAX = 2**63 - 1  # vLLM (and torch) seeds are signed 64-bit
 
@@ -80,6 +83,76 @@ def rng_seed(value: Any, name: str = "seed") -> int | None:
         return None
     return integer(name, value, lo=0, hi=SEED_MAX,
                    expected=f"expected None or an int with 0 <= {name} <= 2**63 - 1 (vLLM seeds are signed 64-bit)")
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The seed that request ``index`` of a call made with ``seed`` draws with.
+
+    The rule, one for :func:`nnvllm.generate`, :func:`nnvllm.stream`, :func:`nnvllm.collect` (where
+    ``index`` is the prompt's place in the whole list, whatever the chunk) and :func:`nnvllm.reference`:
+    the first 8 bytes of ``sha256(f"{seed}:{index}")`` as a big-endian integer, shifted right by one
+    bit (a signed 64-bit seed). So the rows of a seeded batch are independent draws, the same call
+    draws the same tokens again, and a row can be drawn again alone with
+    ``seed=[request_seed(seed, index)]``.
+    """
+    digest = hashlib.sha256(f"{int(seed)}:{int(index)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def seed(value: Any, n: int | None = None, name: str = "seed") -> int | list[int] | None:
+    """``seed=`` of a verb: None (unseeded), an int (one per request derived by :func:`request_seed`),
+    or, with ``n`` prompts, a list of ``n`` ints used as they are. Returned normalised."""
+    if value is None or _is_int(value) or n is None:
+        return rng_seed(value, name)
+    expected = (f"expected None, an int with 0 <= {name} <= 2**63 - 1 (vLLM seeds are signed 64-bit), or one "
+                "such int per prompt")
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise TypeError(f"{name}={_show(value)}: {expected}")
+    if len(value) != n:
+        raise ValueError(f"{name} holds {len(value)} seeds for {n} prompt(s); {expected}")
+    return [integer(f"{name}[{i}]", v, lo=0, hi=SEED_MAX, expected=expected) for i, v in enumerate(value)]
+
+
+def request_seeds(value: int | list[int] | None, n: int, first: int = 0) -> list[int] | None:
+    """One seed per request from a checked ``seed=`` (:func:`seed`): None unseeded; an int gives
+    ``request_seed(value, first + i)`` for request ``i`` (``first``: the global index of the first
+    request, :func:`nnvllm.collect`'s chunks); a list is used as it is."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return list(value)
+    return [request_seed(value, first + i) for i in range(n)]
+
+
+def top_k(value: Any, vocab_size: int | None, name: str = "top_k") -> int:
+    """``top_k=``: alternatives reported per step, ``1..vocab_size`` (only ``>= 1`` when the size is unknown)."""
+    if vocab_size is None:
+        return integer(name, value, lo=1, why=" (alternatives reported per step)")
+    return integer(name, value, lo=1, hi=vocab_size, expected=(
+        f"expected an int with 1 <= {name} <= {vocab_size} (alternatives reported per step; the model's "
+        f"vocabulary has {vocab_size} tokens)"))
+
+
+def checkpoint(value: Any, name: str = "path") -> str:
+    """A checkpoint directory that exists, or a hub id (``name`` or ``owner/name``); returned as a str."""
+    import os
+    from pathlib import Path
+
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name}={_show(value)}: expected a checkpoint directory or a hub id (str)")
+    text = os.fspath(value)
+    p = Path(text).expanduser()
+    if p.is_dir():
+        return str(p)
+    if p.exists():
+        raise ValueError(f"{name}={text!r} is a file; pass the model's directory (the one holding config.json)")
+    if not _HUB_ID.match(text) or text.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"{name}={text!r}: no such checkpoint directory (and not a hub id such as "
+                                "'openai-community/gpt2'); pass the folder that holds config.json and the weights")
+    return text
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def prompts(value: Any, name: str = "prompts") -> list[str]:
@@ -151,14 +224,18 @@ def sites(value: Any, name: str = "sites") -> tuple[str, ...]:
 
 
 def sampling(*, max_tokens: Any, temperature: Any, top_p: Any, seed: Any, top_k: Any, logits: Any,
-             ignore_eos: Any) -> dict:
-    """Check the sampling arguments shared by ``generate`` and ``reference``; return them normalised."""
+             ignore_eos: Any, n_prompts: int | None = None, vocab_size: int | None = None) -> dict:
+    """Check the sampling arguments shared by ``generate`` and ``reference``; return them normalised.
+
+    ``n_prompts``: the call's prompt count (a ``seed`` list must hold one seed each); ``vocab_size``:
+    the model's vocabulary (``top_k`` may not exceed it)."""
+    checked_seed = globals()["seed"](seed, n_prompts)  # (the argument shadows the function)
     return {
         "max_tokens": integer("max_tokens", max_tokens, lo=1, why=" (tokens to generate per prompt)"),
         "temperature": number("temperature", temperature, lo=0.0),
         "top_p": number("top_p", top_p, lo=0.0, lo_open=True, hi=1.0),
-        "seed": rng_seed(seed),
-        "top_k": integer("top_k", top_k, lo=1, why=" (alternatives reported per step)"),
+        "seed": checked_seed,
+        "top_k": globals()["top_k"](top_k, vocab_size),
         "logits": boolean("logits", logits),
         "ignore_eos": boolean("ignore_eos", ignore_eos),
     }
@@ -241,3 +318,28 @@ def token_id(name: str, value: Any, vocab_size: int | None) -> int | None:
     expected = (f"expected a token id in {rng} (the model's vocabulary has {vocab_size} tokens)"
                 if hi is not None else f"expected a token id {rng}")
     return integer(name, value, lo=0, hi=hi, expected=expected)
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(size: int | str, name: str = "memory_budget") -> int:
+    """Return a size in bytes from an int or a string such as ``"4GB"``, ``"512MB"``, ``"1.5GiB"``.
+
+    KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB powers of 1024.
+    """
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise TypeError(f"{name}={size!r}; expected an int of bytes or a str like '4GB'")
+    if isinstance(size, int):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", size)
+        unit = m.group(2).upper() if m else None
+        if unit not in _UNITS:
+            raise ValueError(f"{name}={size!r}; expected a number and a unit, like '4GB', '512MB', "
+                             "'1.5GiB', or an int of bytes") from None
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"{name}={size!r}; expected a positive size")
+    return n

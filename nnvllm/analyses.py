@@ -30,7 +30,7 @@ def unembedding(model) -> Unembed:
     cached = model.__dict__.get("_nnvllm_unembed")
     if cached is not None:
         return cached
-    from .transport import engine_of
+    from .engine.transport import engine_of
 
     engine = engine_of(model)  # in-process or isolated: each TP rank's norm + unembedding slice
     parts = engine.unembed(model.arch.final_norm, model.arch.unembed)
@@ -159,7 +159,7 @@ def patch(
         ...                answer=" Paris", wrong=" Rome")                          # doctest: +SKIP
     """
     from .capture import _context_len
-    from .transport import engine_of
+    from .engine.transport import engine_of
 
     # Every argument is checked before the engine does any work (a bad step or token id used to
     # fail only after the clean and corrupt generations, or after every patched pass).
@@ -264,9 +264,14 @@ def steering_vector(model, positive: Sequence[str], negative: Sequence[str], lay
         >>> v = nv.steering_vector(model, ["The capital of Italy is"], ["The capital of France is"], layer=3)  # doctest: +SKIP
         >>> run = nv.generate(model, "The capital of France is", edits=[nv.Edit.add(v, layers=3, scale=2)])  # doctest: +SKIP
     """
+    _check_model(model)
     for name, ps in (("positive", positive), ("negative", negative)):
         if isinstance(ps, str) or not ps:
             raise ValueError(f"{name} must be a non-empty list of prompts")
+    # Checked here, in the user's own words: generate() would name its own argument, layers=[layer].
+    n = model.n_layers
+    layer = _validate.integer("layer", layer, lo=-n, hi=n - 1, expected=(
+        f"expected one block index of this {n}-layer model, 0-{n - 1} (or -{n}..-1 from the end)"))
     run = generate(model, list(positive) + list(negative), max_tokens=1, layers=[layer], logits=False)
     last = torch.stack([r[0, len(p) - 1].float() for r, p in zip(run.resid, run.prompt_ids)])
     return last[: len(positive)].mean(0) - last[len(positive):].mean(0)

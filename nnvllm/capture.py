@@ -1,8 +1,8 @@
 """Capture a whole generation: every step's logits, the samples, every layer's activations.
 
 The client side. What runs in the engine (taps that survive CUDA-graph replay, per-step row
-placement, hand-off through shared memory) is :mod:`nnvllm._worker`; how a call reaches the engine
-(in-process or isolated) is :mod:`nnvllm.transport`. This module validates the call, hands it to the
+placement, hand-off through shared memory) is :mod:`nnvllm.engine.worker`; how a call reaches the engine
+(in-process or isolated) is :mod:`nnvllm.engine.transport`. This module validates the call, hands it to the
 model's transport, and assembles a :class:`~nnvllm.Run` whose per-request tensors are views of the
 few large buffers the worker handed over. It imports neither vLLM nor nnsight.
 """
@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from . import _validate
-from .transport import CLIENT_TIMINGS, PROMPT_TAG, engine_of
+from .engine.transport import CLIENT_TIMINGS, PROMPT_TAG, engine_of
 from .results import Run, Samples
 
 __all__ = ["generate"]
@@ -146,7 +146,7 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
     engine = engine_of(model)  # a closed (or dead) engine says so here
     _validate.fits_context(_prompt_lens(model, prompts), max_tokens, _context_len(model, engine))
     from . import edits as _edits
-    from ._worker import returned_files
+    from .engine.worker.handoff import returned_files
 
     edit_list = _edits.resolve(edits, model.arch, model.n_layers, _edits.site_widths(model),
                                engine.info()["tp"] if edits else 1, n_prompts=len(prompts))
@@ -173,7 +173,7 @@ def _assemble(model, req: _Request, outputs: list[dict], handoff: dict | None) -
         raise RuntimeError("the engine returned no capture; was it restarted during the call?")
     if handoff.get("error"):
         raise RuntimeError(f"the capture failed inside the engine: {handoff['error']}")
-    from ._worker import open_handover, taken_back
+    from .engine.worker.handoff import open_handover, taken_back
 
     taken_back(handoff.get("taken_back"))
     arenas = [open_handover(a) for a in handoff["arenas"]]

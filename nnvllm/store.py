@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._validate import parse_bytes
 from .results import Pieces, Run, atomic_write, file_digest, write_safetensors
 
 __all__ = ["Dataset", "Record", "collect", "open", "parse_bytes", "write_shard"]
@@ -46,29 +47,8 @@ FORMAT = "nnvllm.dataset/1"
 SHARD_FORMAT = "nnvllm.shard/1"
 INDEX = "index.json"
 LOGITS = ("none", "chosen", "top_k", "full")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def parse_bytes(size: int | str) -> int:
-    """Return a size in bytes from an int or a string such as ``"4GB"``, ``"512MB"``, ``"1.5GiB"``.
-
-    KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB powers of 1024.
-    """
-    if isinstance(size, bool) or not isinstance(size, (int, str)):
-        raise TypeError(f"memory_budget={size!r}; expected an int of bytes or a str like '4GB'")
-    if isinstance(size, int):
-        n = size
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", size)
-        unit = m.group(2).upper() if m else None
-        if unit not in _UNITS:
-            raise ValueError(f"memory_budget={size!r}; expected a number and a unit, like '4GB', '512MB', "
-                             "'1.5GiB', or an int of bytes") from None
-        n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
-        raise ValueError(f"memory_budget={size!r}; expected a positive size")
-    return n
 
 
 # ---------------------------------------------------------------- writing one shard (pure)
@@ -204,7 +184,7 @@ def _engine_facts(model) -> tuple[int, int | None]:
     """(bytes a captured value takes, the scheduler's most requests at once) of ``model``'s engine;
     (4, None) where the engine does not say."""
     try:
-        from .transport import engine_of
+        from .engine.transport import engine_of
 
         info = engine_of(model).info()
     except Exception:  # noqa: BLE001 (a stand-in model, a closed one: the estimate stays rough)

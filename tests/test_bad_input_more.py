@@ -43,7 +43,7 @@ def no_engine(monkeypatch):
         calls.append((path, engine_args))
         raise EngineStarted(f"an isolated engine was started for {path!r}")
 
-    from nnvllm import isolated
+    from nnvllm.engine import isolated
 
     monkeypatch.setattr(engine_mod, "_build_engine", build)
     monkeypatch.setattr(isolated, "start", start)

@@ -1,6 +1,6 @@
 """Capture under vLLM's scheduler at its hardest: chunked prefill, preemption, and a failed recording.
 
-Rows are placed by (request, position) once per engine step (``nnvllm._worker``), so a prompt split
+Rows are placed by (request, position) once per engine step (``nnvllm.engine.worker``), so a prompt split
 over several steps, or a request preempted and recomputed, must still give every position exactly
 once with the value transformers computes. A recording that fails inside the engine must fail that
 capture alone: the engine keeps answering.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import nnvllm as nv
-from nnvllm._worker import SHM_PREFIX, shm_dir
+from nnvllm.engine.worker.handoff import SHM_PREFIX, shm_dir
 
 from conftest import engine_kwargs
 
@@ -99,7 +99,7 @@ def test_no_handoff_file_is_left_behind(toy):
 
 
 def _wait_for_pool():
-    from nnvllm._worker import _SPARES
+    from nnvllm.engine.worker.handoff import _SPARES
 
     _SPARES.wait()
 
@@ -108,8 +108,8 @@ def test_handoff_files_not_handed_over_are_removed(monkeypatch):
     """The GPU hand-off's prepared files (driven here without a GPU): a tensor takes the smallest
     prepared file that fits; at the end every file the client will not map is removed, including
     one a failed hand-off made and never handed."""
-    from nnvllm import _worker
-    from nnvllm._worker import _ShmFiles
+    from nnvllm.engine.worker import handoff as _worker
+    from nnvllm.engine.worker.handoff import _ShmFiles
 
     monkeypatch.setenv("NNVLLM_HANDOVER", "plain")  # no page-locking without CUDA
     monkeypatch.setattr(_worker, "SPARE_BYTES", 0)  # no files kept for a next capture (tested below)
@@ -138,8 +138,8 @@ def test_handoff_files_are_kept_ready_for_the_next_capture(monkeypatch):
     """After a hand-off the worker prepares files of the sizes it handed over (within
     NNVLLM_SPARE_BYTES), reusing prepared files never handed over; the next capture of that shape
     takes them instead of making new ones; dropping the spares removes their files."""
-    from nnvllm import _worker
-    from nnvllm._worker import _SPARES, _ShmFiles
+    from nnvllm.engine.worker import handoff as _worker
+    from nnvllm.engine.worker.handoff import _SPARES, _ShmFiles
 
     monkeypatch.setenv("NNVLLM_HANDOVER", "plain")
     monkeypatch.setattr(_worker, "SPARE_BYTES", 5 << 20)
@@ -183,8 +183,8 @@ def test_handed_over_files_are_kept_for_recycling_within_the_budget(monkeypatch)
     """Handed-over files stay mapped in the worker for reuse (_Spares.kept), newest kept within
     NNVLLM_SPARE_BYTES (the oldest are let go: unmapped and unlinked); the ones the client returns
     become spares again, taken before other spares of their size; unknown paths are ignored."""
-    from nnvllm import _worker
-    from nnvllm._worker import _SPARES, _ShmFile
+    from nnvllm.engine.worker import handoff as _worker
+    from nnvllm.engine.worker.handoff import _SPARES, _ShmFile
 
     monkeypatch.setenv("NNVLLM_HANDOVER", "plain")
     monkeypatch.setattr(_worker, "SPARE_BYTES", 5 << 20)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from nnvllm import _compat
+from nnvllm.engine import compat as _compat
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ def test_ranges_agree_with_pyproject_pins():
 
 
 def test_importing_nnvllm_and_compat_imports_no_engine():
-    code = ("import sys, nnvllm, nnvllm._compat, nnvllm.engine\n"
+    code = ("import sys, nnvllm, nnvllm.engine.compat, nnvllm.engine\n"
             "bad = [m for m in ('vllm', 'nnsight') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=300)
@@ -100,11 +100,11 @@ import json, sys, torch
 out = {}
 cs = torch.cuda.current_stream
 import nnvllm.engine as e
-e._model_classes()
-import nnvllm._gpu
-out["cpu_worker_modules"] = [m for m in sys.modules if m.startswith(("vllm.v1.worker.cpu", "nnvllm._cpu_worker"))]
+e.model_classes()
+import nnvllm.engine.worker.gpu
+out["cpu_worker_modules"] = [m for m in sys.modules if m.startswith(("vllm.v1.worker.cpu", "nnvllm.engine.worker.cpu"))]
 out["current_stream_kept"] = torch.cuda.current_stream is cs
-from nnvllm import _compat
+from nnvllm.engine import compat as _compat
 out["missing"] = _compat.missing_private_names()
 out["surface"] = len(_compat.PRIVATE_SURFACE)
 if not torch.cuda.is_available():  # engine_core_by_fork, around the config build vLLM starts an engine with
@@ -164,7 +164,7 @@ def test_a_moved_private_name_is_reported_by_name_and_user(monkeypatch):
         _compat.Touch("torch.distributed.rendezvous", "TCPStore", "_compat.py", "kept"),
         _compat.Touch("torch.distributed.rendezvous", "NoSuchStore", "x.py", "a renamed class"),
         _compat.Touch("nnvllm_no_such_module", "thing", "y.py", "a moved module"),
-        _compat.Touch("nnvllm.transport", "StreamBook", "z.py", "state set in __init__", set_in_init=("ids", "vanished")),
+        _compat.Touch("nnvllm.engine.transport", "StreamBook", "z.py", "state set in __init__", set_in_init=("ids", "vanished")),
     )
     missing = _compat.missing_private_names(gone)
     assert len(missing) == 3, missing

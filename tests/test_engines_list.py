@@ -124,7 +124,7 @@ def test_an_engine_start_collects_only_what_it_made(monkeypatch):
     import gc
     import weakref
 
-    from nnvllm import engine
+    from nnvllm.engine import heap as engine
     from nnvllm.engine import _core_in_this_process, _start_collections
 
     class Cycle:

@@ -57,7 +57,7 @@ def toy(iso):  # test_analyses.py's fixture
 def _server_procs():
     """Processes of any nnvllm server this test process started (its engine groups)."""
     return [p for p in psutil.Process().children(recursive=True)
-            if "nnvllm.server" in " ".join(p.cmdline())]
+            if "nnvllm.engine.server" in " ".join(p.cmdline())]
 
 
 def _alive(pids) -> list[int]:
@@ -203,7 +203,7 @@ def test_files_endpoint_serves_config_and_tokenizer_but_no_weights(iso):
 
 
 def test_server_command_line():
-    from nnvllm.server import _parse
+    from nnvllm.engine.server import _parse
 
     args, engine_args = _parse(["/m", "--port", "8123", "--token", "t", "--tensor-parallel-size", "2",
                                 "--dtype", "float32"])
@@ -218,7 +218,7 @@ def test_the_engine_core_is_forked_from_the_server_on_cpu(iso):
     """_compat.engine_core_by_fork: the server's EngineCore is a fork of the server, not a fresh
     interpreter that imports vLLM again. A process's /proc environ is the environment it was exec'd
     with: a spawned EngineCore's holds NNVLLM_SERVER_PID, which the server sets in its own environment
-    at start (nnvllm.server.main); a forked one has the server's exec environment, without it.
+    at start (nnvllm.engine.server.main); a forked one has the server's exec environment, without it.
     (Checked: with spawn, session 14, the variable was there.) The mechanism itself:
     test_compat.py::test_engine_core_by_fork_makes_vllm_fork_only_inside_it."""
     server = psutil.Process(iso.pid)
@@ -244,7 +244,7 @@ def test_engines_lists_isolated_and_in_process_engines_with_pid_and_memory(iso, 
         assert listed["in-process"].pid == os.getpid() and listed["in-process"].url is None
         # this process's memory and its children's (on a GPU vLLM's EngineCore is one), without the
         # isolated engine's (also a child of this process)
-        from nnvllm.isolated import tree_rss
+        from nnvllm.engine.isolated import tree_rss
 
         assert listed["in-process"].rss_mib < (tree_rss(os.getpid()) - tree_rss(iso.pid)) / 2**20 + 100
         if not torch.cuda.is_available():
@@ -303,7 +303,8 @@ def test_a_calls_prompts_run_as_one_batch(iso, monkeypatch):
     requests trickled into the first steps (here 33 steps and 3 batches for 32 tokens; on the H200 the
     GPT-2-small shape's isolated capture took 1.44x in-process). The engine records both counts.
     The reply comes as JSON (``transport.pack``: torch's decoder cost ~9 ms a call on the H200)."""
-    from nnvllm import capture, transport
+    from nnvllm import capture
+    from nnvllm.engine import transport
 
     kinds = []
     real_unpack = transport.unpack
@@ -398,14 +399,14 @@ def _files_of(*tensors) -> set[str]:
 
 
 def test_hand_off_files_of_dropped_runs_are_reused_and_kept_runs_never_overwritten(iso):
-    """Recycling (nnvllm._worker._Spares): when every tensor of a Run is gone, its hand-off files are
+    """Recycling (nnvllm.engine.worker.handoff._Spares): when every tensor of a Run is gone, its hand-off files are
     named in the next call and the engine hands them over again, prepared, instead of making new
     ones; a Run still held keeps its files and its values. (Other tests' dropped runs may be
     returned at any time too: only this test's files are looked at.)"""
     import gc
 
     from conftest import same_values
-    from nnvllm import _worker
+    from nnvllm.engine.worker import handoff as _worker
 
     a = nv.generate(iso, CLEAN, max_tokens=3)
     want = a.resid[0].clone(), a.logits[0].clone(), a.samples[0].probs.clone()
@@ -436,7 +437,7 @@ def test_a_call_left_early_never_has_a_held_runs_files_handed_over_again(iso):
     the suite with three workers: a held Run's sampling probabilities held another run's values)."""
     import gc
 
-    from nnvllm import _worker
+    from nnvllm.engine.worker import handoff as _worker
 
     for i in range(3):
         r = nv.generate(iso, CLEAN, max_tokens=3)

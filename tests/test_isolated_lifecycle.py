@@ -28,7 +28,7 @@ def test_the_server_ends_itself_when_the_process_that_started_it_is_gone():
 
     kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     server = subprocess.Popen(
-        [sys.executable, "-c", "import time\nfrom nnvllm.server import _watch_parent\n"
+        [sys.executable, "-c", "import time\nfrom nnvllm.engine.server import _watch_parent\n"
          f"_watch_parent({kernel.pid})\nprint('watching', flush=True)\ntime.sleep(120)"],
         stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -604,7 +604,7 @@ def test_a_loopback_rendezvous_listens_on_loopback_only():
 
     import psutil
 
-    from nnvllm._compat import bind_stores_to_loopback
+    from nnvllm.engine.compat import bind_stores_to_loopback
 
     rdzv = importlib.import_module("torch.distributed.rendezvous")
     before = rdzv.TCPStore  # an in-process engine of an earlier test may have wrapped it already
@@ -638,7 +638,7 @@ def test_a_loopback_rendezvous_listens_on_loopback_only():
 def test_a_failed_engine_start_names_the_first_error_in_its_log(tmp_path):
     """vLLM ends a failed start with "Engine core initialization failed. See root cause above";
     the cause is far above the log's last lines, so the error quotes it first."""
-    from nnvllm.isolated import _cause, _log_report
+    from nnvllm.engine.isolated import _cause, _log_report
 
     log = tmp_path / "engine.log"
     log.write_text("\n".join(
@@ -701,23 +701,43 @@ def test_nnvllm_shows_no_transformers_bars(tmp_path, capsys):
     assert hf_logging.is_progress_bar_enabled()
 
 
-def test_the_package_import_graph_has_no_cycles():
-    """Issue 13: nnvllm's modules import one another in one direction only, counting imports inside
-    functions too (a cycle there is still a tangle, and a lazy import can hide it)."""
+def _package_imports() -> dict[str, set[str]]:
+    """Every module of the package (dotted name) -> the package modules it imports, counting imports
+    inside functions too (a cycle there is still a tangle, and a lazy import can hide it)."""
     import ast
 
     import nnvllm
 
     root = Path(nnvllm.__file__).parent
-    mods = {p.stem: p for p in root.glob("*.py")}
+    names = {}
+    for p in root.rglob("*.py"):
+        parts = ("nnvllm",) + p.relative_to(root).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
     graph = {}
-    for name, p in mods.items():
+    for name, p in names.items():
+        package = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
         deps = set()
         for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                first = (node.module or "").split(".")[0]
-                deps |= {x for x in ([first] if first else [a.name for a in node.names]) if x in mods}
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+                cands = [f"{target}.{a.name}" for a in node.names]  # `from . import x`: x is the module
+                for cand in ([target] if node.module else []) + cands:
+                    if cand in names:
+                        deps.add(cand)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nnvllm"):
+                deps |= {c for c in [node.module] + [f"{node.module}.{a.name}" for a in node.names] if c in names}
         graph[name] = deps - {name}
+    return graph
+
+
+def test_the_package_import_graph_has_no_cycles():
+    """nnvllm's modules import one another in one direction only. A package importing its own rooms
+    (``nnvllm.engine`` -> ``nnvllm.engine.models``) is how a package is built; a room importing its
+    package back lazily is the one allowed way up, and only within the engine floor's own package."""
+    graph = _package_imports()
+    for name in graph:  # drop package -> own-room edges' reverse only where the room is inside it
+        graph[name] = {d for d in graph[name] if not (name.startswith(d + ".") and d.startswith("nnvllm.engine"))}
     found = []
 
     def visit(node, path):
@@ -732,29 +752,46 @@ def test_the_package_import_graph_has_no_cycles():
     assert not found, found[:5]
 
 
-#: The engine layer (how an engine is built, reached and served) and the worker (what runs in it):
-#: the only modules that may import vLLM or nnsight, even lazily (issue 13).
-ENGINE_LAYER = {"engine", "isolated", "server", "transport", "_cpu", "_gpu", "_compat", "_worker", "_cpu_worker"}
+#: The verbs and the top floor: the engine floor never imports them (helpers it needs live on the ground floor).
+ABOVE_THE_ENGINE = {"nnvllm.capture", "nnvllm.store", "nnvllm.analyses", "nnvllm.streaming", "nnvllm.views",
+                    "nnvllm.widgets", "nnvllm.reference"}
 
 
-def test_only_the_engine_layer_and_the_worker_import_vllm_or_nnsight():
+def test_the_engine_floor_imports_nothing_above_it():
+    graph = _package_imports()
+    bad = {m: sorted(d & ABOVE_THE_ENGINE) for m, d in graph.items()
+           if m.startswith("nnvllm.engine") and d & ABOVE_THE_ENGINE}
+    assert not bad, f"the engine floor imports verbs or widgets: {bad}"
+
+
+def test_no_module_of_the_package_is_over_600_lines():
+    import nnvllm
+
+    long = {str(p.relative_to(Path(nnvllm.__file__).parent)): n for p in Path(nnvllm.__file__).parent.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"modules over 600 lines (split them into rooms with clear names): {long}"
+
+
+def test_only_the_engine_floor_imports_vllm_or_nnsight():
+    """vLLM and nnsight are imported (even lazily) by ``nnvllm.engine`` and its rooms only."""
     import ast
 
     import nnvllm
 
+    root = Path(nnvllm.__file__).parent
     bad = {}
-    for p in Path(nnvllm.__file__).parent.glob("*.py"):
+    for p in root.rglob("*.py"):
         tree = ast.parse(p.read_text())
         mods = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         mods |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
         engine = sorted(m for m in mods if m.split(".")[0] in ("vllm", "nnsight"))
-        if engine and p.stem not in ENGINE_LAYER:
-            bad[p.stem] = engine
-    assert not bad, f"modules outside the engine layer import vLLM/nnsight: {bad}"
+        if engine and p.relative_to(root).parts[0] != "engine":
+            bad[str(p.relative_to(root))] = engine
+    assert not bad, f"modules outside the engine floor import vLLM/nnsight: {bad}"
 
 
 def test_a_capture_travels_as_json_when_plain_and_as_tensors_otherwise():
-    from nnvllm.transport import pack, unpack
+    from nnvllm.engine.transport import pack, unpack
 
     reply = {"outputs": [{"request_id": "a1", "prompt_token_ids": [1, 2], "token_ids": [3], "text": "é",
                           "finished": True}], "handoff": {"files": [{"path": "/dev/shm/x", "shape": [2, 3]}]},

@@ -195,7 +195,7 @@ def test_tp_ranks_spin_briefly_after_a_read_on_cpu(toy):
     (spinning readers took the cores the ranks compute on)."""
     import torch
 
-    from nnvllm._compat import CPU_BUSY_LOOP_S
+    from nnvllm.engine.compat import CPU_BUSY_LOOP_S
 
     if torch.cuda.is_available():
         pytest.skip("CPU engines only: on a GPU vLLM's 1 s stays")

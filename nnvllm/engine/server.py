@@ -1,6 +1,6 @@
 """Serve one nnvllm engine over HTTP: nnsight's serve app, nnvllm's engine, nnvllm's endpoints.
 
-    python -m nnvllm.server MODEL [--port P] [--token T] [--tensor-parallel-size 2] [--dtype float32 ...]
+    python -m nnvllm.engine.server MODEL [--port P] [--token T] [--tensor-parallel-size 2] [--dtype float32 ...]
 
 ``nv.load(path, isolate=True)`` starts this in its own process (group) and talks to it; anyone may
 start it by hand and attach with ``nv.load(url="http://127.0.0.1:P", token=T)``. Why our own entry
@@ -47,7 +47,7 @@ from typing import Any
 
 __all__ = ["ENGINE_DIED", "TOKEN_ENV", "TOKEN_HEADER", "main"]
 
-from ._procs import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER  # (stdlib-only at import)
+from .procs import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER  # (stdlib-only at import)
 from .transport import (ARM, COLLECT, DISARM, PEEK, UNEMBED, StreamBook, collect_tokens, pack,  # (stdlib-only at import)
                         plain_output, sampling_params, unpack)
 
@@ -62,7 +62,7 @@ def _torch_payload(obj: Any):
 
 
 def _packed(obj: Any):
-    """A capture's reply (:func:`nnvllm.transport.pack`: JSON when plain, as a reply always is)."""
+    """A capture's reply (:func:`nnvllm.engine.transport.pack`: JSON when plain, as a reply always is)."""
     from fastapi import Response
 
     data, kind = pack(obj)
@@ -247,7 +247,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
     async def capture(request: Request):
         """Arm the capture, run the prompts concurrently, collect: one ``nv.generate``.
 
-        The activations travel through shared memory (``nnvllm._worker``): the reply is small.
+        The activations travel through shared memory (``nnvllm.engine.worker``): the reply is small.
         """
         from vllm.sampling_params import RequestOutputKind
 
@@ -548,7 +548,7 @@ def _parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
     from nnsight.modeling.vllm.serve.cli import _parse_vllm_args
 
     p = argparse.ArgumentParser(
-        prog="python -m nnvllm.server",
+        prog="python -m nnvllm.engine.server",
         description="Serve one nnvllm engine (nnsight VLLM, async) over HTTP. Unrecognised --flag value "
         "pairs are vLLM engine arguments, e.g. --tensor-parallel-size 2 --dtype float32.",
     )
@@ -580,7 +580,7 @@ def _preload_anyio() -> None:
     """
     if "nnsight" in sys.modules:
         raise RuntimeError(
-            "nnvllm.server must import anyio before nnsight; run it as python -m nnvllm.server")
+            "nnvllm.engine.server must import anyio before nnsight; run it as python -m nnvllm.engine.server")
     import anyio._backends._asyncio  # noqa: F401
     import anyio.abc._sockets  # noqa: F401
     import anyio.streams.file  # noqa: F401
@@ -593,17 +593,17 @@ def main(argv: list[str] | None = None) -> None:
     token = args.token or os.environ.pop(TOKEN_ENV, None)
     if not token:
         token = secrets.token_urlsafe(32)
-        print(f"nnvllm.server: token (header {TOKEN_HEADER}): {token}", flush=True)
+        print(f"nnvllm.engine.server: token (header {TOKEN_HEADER}): {token}", flush=True)
     if args.watch_pid:
         _watch_parent(args.watch_pid)
     # vLLM's EngineCore and workers inherit this and end their process group once this server is
-    # gone (killed with SIGKILL, e.g. by the OOM killer): see nnvllm._worker.watch_server.
+    # gone (killed with SIGKILL, e.g. by the OOM killer): see nnvllm.engine.worker.handoff.watch_server.
     os.environ["NNVLLM_SERVER_PID"] = str(os.getpid())
     # vLLM's single-process executor starts torch.distributed at tcp://<this host's IP>: on the H200
     # the engine then listened on a non-loopback address. The server is loopback-only; so is its engine.
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
-    from .engine import _build_engine
+    from . import _build_engine
 
     model = _build_engine(args.model, mode="async", **engine_args)
 
@@ -620,9 +620,9 @@ def main(argv: list[str] | None = None) -> None:
     sock.listen(128)
     port = sock.getsockname()[1]
     if args.host not in ("127.0.0.1", "::1", "localhost"):
-        print(f"nnvllm.server: WARNING: bound to {args.host}: reachable from the network; it runs "
+        print(f"nnvllm.engine.server: WARNING: bound to {args.host}: reachable from the network; it runs "
               "client-sent code, guarded only by the token.", flush=True)
-    print(f"nnvllm.server: serving {model.checkpoint} on http://{args.host}:{port}", flush=True)
+    print(f"nnvllm.engine.server: serving {model.checkpoint} on http://{args.host}:{port}", flush=True)
     if args.port_file:  # written atomically, after the bind: the client reads a complete port
         tmp = args.port_file + ".tmp"
         with open(tmp, "w") as f:

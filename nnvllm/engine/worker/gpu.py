@@ -9,8 +9,8 @@ from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRu
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-from .arch import untie_shared_modules
-from ._worker import CaptureWorker, RecordingRunner
+from ...arch import untie_shared_modules
+from .runner import CaptureWorker, RecordingRunner
 
 
 class _UntiedGPURunner(GPUModelRunner):
@@ -22,7 +22,7 @@ class _UntiedGPURunner(GPUModelRunner):
 
 class NNsightUntiedGPUModelRunner(RecordingRunner, NNsightGPUModelRunner, _UntiedGPURunner):
     """nnsight's runner over a model whose shared stateless modules were copied per block, with
-    nnvllm's recording taps (:class:`nnvllm._worker.RecordingRunner`)."""
+    nnvllm's recording taps (:class:`nnvllm.engine.worker.runner.RecordingRunner`)."""
 
 
 class NNsightUntiedGPUWorker(CaptureWorker, NNsightGPUWorker):

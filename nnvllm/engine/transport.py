@@ -3,7 +3,7 @@
 :func:`nnvllm.generate`, :func:`nnvllm.stream`, :func:`nnvllm.logit_lens` and :func:`nnvllm.patch`
 reach the engine only through an object with these methods (:func:`engine_of` gives the model's):
 
-- ``capture(prompts, params, spec)`` — arm the worker (:mod:`nnvllm._worker`), generate the prompts as
+- ``capture(prompts, params, spec)`` — arm the worker (:mod:`nnvllm.engine.worker`), generate the prompts as
   one vLLM batch, collect: ``(plain outputs, the worker's hand-off)``;
 - ``stream(prompts, params, spec, stop)`` — the same, yielding ``("step", outputs so far, peek)``
   after each engine step, then ``("done", outputs, hand-off)``;
@@ -16,8 +16,8 @@ The model's lifecycle (``close``, ``sleep``, ``wake``, ``with``, its repr) is wr
 ``nnvllm.engine``'s model mixin, over this contract; an isolated model only says how its engine ends.
 
 Two transports implement it and differ only in how calls and bytes travel: :class:`InProcessEngine`
-(here: vLLM's ``LLM`` in this process, called directly) and :class:`nnvllm.isolated.RemoteEngine`
-(HTTP to ``python -m nnvllm.server``, whose endpoints drive vLLM's ``AsyncLLM`` in that process).
+(here: vLLM's ``LLM`` in this process, called directly) and :class:`nnvllm.engine.isolated.RemoteEngine`
+(HTTP to ``python -m nnvllm.engine.server``, whose endpoints drive vLLM's ``AsyncLLM`` in that process).
 What a capture *is* — the worker RPCs and their order, the per-prompt ``SamplingParams``, a vLLM
 output as plain data, a stream's bookkeeping (:class:`StreamBook`) — is defined once, here, and
 used by both. The activations never travel through either: the worker hands them over in shared
@@ -40,7 +40,7 @@ CLIENT_TIMINGS: dict[str, float] = {}
 
 PROMPT_TAG = "nnvllm_prompt"  # SamplingParams.extra_args key: the request's prompt index (per-prompt edits)
 
-# The worker's RPC methods (nnvllm._worker.CaptureWorker), in the order a capture calls them.
+# The worker's RPC methods (nnvllm.engine.worker.runner.CaptureWorker), in the order a capture calls them.
 ARM, PEEK, COLLECT, DISARM = "nnvllm_arm", "nnvllm_peek", "nnvllm_collect", "nnvllm_disarm"
 UNEMBED = "nnvllm_unembed"  # each TP rank's final norm and unembedding slice
 
@@ -294,7 +294,7 @@ def interruptible(llm):
 
 
 def engine_of(model):
-    """The model's transport: its own (an isolated model's :class:`~nnvllm.isolated.RemoteEngine`)
+    """The model's transport: its own (an isolated model's :class:`~nnvllm.engine.isolated.RemoteEngine`)
     or :class:`InProcessEngine`."""
     own = getattr(type(model), "_engine_adapter", None)
     return own(model) if own is not None else InProcessEngine(model)

@@ -1,10 +1,10 @@
-"""nnvllm's engine worker for vLLM's CPU backend (see :mod:`nnvllm._cpu` for why it exists).
+"""nnvllm's engine worker for vLLM's CPU backend (see :mod:`nnvllm.engine.cpu` for why it exists).
 
 vLLM imports the worker class by its dotted name in every engine process. Importing this module
 imports vLLM's CPU worker, whose ``cpu/shm.py`` replaces ``torch.cuda.Stream``, ``Event``,
 ``current_stream`` and ``Tensor.pin_memory`` with placeholders for the whole process: it must never
 be imported where CUDA runs (seen on an H200: every nnsight trace then killed the engine core with
-"expected stream to be a torch.Stream"). Only :data:`nnvllm._cpu.CPUVLLM` names it, and only a
+"expected stream to be a torch.Stream"). Only :data:`nnvllm.engine.cpu.CPUVLLM` names it, and only a
 CPU engine loads it.
 """
 
@@ -15,9 +15,9 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from ._compat import shorter_busy_loop
-from ._worker import CaptureWorker, RecordingRunner
-from .arch import untie_shared_modules
+from ..compat import shorter_busy_loop
+from .runner import CaptureWorker, RecordingRunner
+from ...arch import untie_shared_modules
 
 __all__ = ["NNsightCPUWorker", "NNsightCPUModelRunner"]
 
@@ -44,7 +44,7 @@ class NNsightCPUWorker(CaptureWorker, NNsightGPUWorker, CPUWorker):
     """vLLM's CPU worker with nnsight's RPC methods (``collect_nnsight``, ``nnsight_register``, ...)."""
 
     def init_device(self) -> None:
-        from ._compat import bind_stores_to_loopback
+        from ..compat import bind_stores_to_loopback
 
         bind_stores_to_loopback()  # vLLM's torch.distributed store: loopback only (see there)
         CPUWorker.init_device(self)

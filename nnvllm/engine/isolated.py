@@ -4,14 +4,14 @@ vLLM keeps its memory (GPU memory above all) until the process that holds it end
 with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps it after ``close()``, and vLLM's EngineCore outlives a
 kernel that dies without closing (43 GB of an H200 stayed held, docs/engines.md).
 ``nv.load(path, isolate=True)`` therefore starts
-``python -m nnvllm.server`` (:mod:`nnvllm.server`) in a new session (its own process group), on
+``python -m nnvllm.engine.server`` (:mod:`nnvllm.engine.server`) in a new session (its own process group), on
 127.0.0.1, a free port and a random token, and returns a model that
 
 - holds only nnsight's meta-device module tree (never dispatched; its torch TCPStore closed right
   after the build), so ``with model.trace(...)`` is written exactly as in-process and runs on the
   engine through nnsight's serve protocol, over ONE kept-alive HTTP client for the session;
 - reaches nnvllm's capture and unembedding through :class:`RemoteEngine` (the same three calls as
-  :class:`nnvllm.transport.InProcessEngine`), so :func:`nnvllm.generate`, :func:`nnvllm.logit_lens`
+  :class:`nnvllm.engine.transport.InProcessEngine`), so :func:`nnvllm.generate`, :func:`nnvllm.logit_lens`
   and :func:`nnvllm.patch` work unchanged;
 - ends the whole process group on ``close()``, ``with``-exit, interpreter exit (``atexit``) and, via
   the server's parent watch, when this process is killed (a kernel shut down or restarted);
@@ -42,7 +42,7 @@ from typing import Any
 
 __all__ = ["EngineDied", "RemoteEngine", "start", "attach", "tree_rss"]
 
-from ._procs import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER, real_stdout, tree_rss  # stdlib-only at import
+from .procs import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER, real_stdout, tree_rss  # stdlib-only at import
 
 _CONNECT_TIMEOUT = 10.0
 
@@ -97,7 +97,7 @@ def _describe_exit(rc: int) -> str:
 
 
 class _Server:
-    """One ``python -m nnvllm.server`` process group started by this process."""
+    """One ``python -m nnvllm.engine.server`` process group started by this process."""
 
     def __init__(self, checkpoint: str, engine_args: dict) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="nnvllm-engine-"))
@@ -113,7 +113,7 @@ class _Server:
         tp = int(engine_args.get("tensor_parallel_size", 1))
         if len(env.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|")) != tp:
             env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        cmd = [sys.executable, "-m", "nnvllm.server", checkpoint, "--port", "0",
+        cmd = [sys.executable, "-m", "nnvllm.engine.server", checkpoint, "--port", "0",
                "--port-file", str(port_file), "--watch-pid", str(os.getpid()),
                "--engine-args", json.dumps(engine_args)]
         with open(self.log, "wb") as log:
@@ -314,7 +314,7 @@ def _serve_backend_class():
 
 
 class RemoteEngine:
-    """An isolated model's engine adapter: :class:`nnvllm.transport.InProcessEngine`'s calls, over HTTP."""
+    """An isolated model's engine adapter: :class:`nnvllm.engine.transport.InProcessEngine`'s calls, over HTTP."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -341,7 +341,7 @@ class RemoteEngine:
         return res["outputs"], res["handoff"]
 
     def stream(self, prompts: list[str], params, spec: dict, stop: threading.Event):
-        """:meth:`nnvllm.transport.InProcessEngine.stream` over HTTP: the server streams frames
+        """:meth:`nnvllm.engine.transport.InProcessEngine.stream` over HTTP: the server streams frames
         (``/v1/nnvllm/stream``); ``stop`` set sends ``/v1/nnvllm/stream/stop`` once."""
         import struct
         import uuid
@@ -507,7 +507,7 @@ class IsolatedMixin:
         else:
             self._dead = (
                 f"the engine at {self._conn.url} died or is unreachable: {why}. Start it again there "
-                "(python -m nnvllm.server ...) and call model.restart() to re-attach."
+                "(python -m nnvllm.engine.server ...) and call model.restart() to re-attach."
             )
         _LIVE.pop(id(self), None)
         raise EngineDied(self._dead) from None
@@ -661,7 +661,7 @@ def start(cls, checkpoint: str, arch, engine_args: dict, start_timeout: float):
 
 
 def attach(cls_for, url: str, token: str | None, checkpoint: str | None):
-    """Attach to a running ``python -m nnvllm.server`` at ``url`` (see module docstring)."""
+    """Attach to a running ``python -m nnvllm.engine.server`` at ``url`` (see module docstring)."""
     import httpx
 
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -674,7 +674,7 @@ def attach(cls_for, url: str, token: str | None, checkpoint: str | None):
         r = httpx.get(url + "/v1/nnvllm/info", headers={TOKEN_HEADER: token}, timeout=_CONNECT_TIMEOUT)
     except httpx.TransportError as e:
         raise ConnectionError(f"no nnvllm engine answers at {url} ({type(e).__name__}: {e}). Start one with "
-                              "python -m nnvllm.server MODEL --port P --token T") from None
+                              "python -m nnvllm.engine.server MODEL --port P --token T") from None
     if r.status_code == 401:
         raise PermissionError(
             f"the engine at {url} refused the token; pass the one it was started with") from None

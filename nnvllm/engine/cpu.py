@@ -14,10 +14,10 @@ nnsight's ``VLLM`` fails on a machine without an accelerator in two places:
    nnsight's runner (the interleaving) and vLLM's CPU runner (the device work), in that order.
 
 vLLM imports the worker class by its dotted name in every engine process, so it lives in an
-importable module of the package: :mod:`nnvllm._cpu_worker`, kept apart because importing vLLM's CPU
+importable module of the package: :mod:`nnvllm.engine.worker.cpu`, kept apart because importing vLLM's CPU
 worker patches ``torch.cuda`` for the whole process (this module is imported on every machine, as
 the base of nnvllm's CPU model class). Only used where CUDA is absent; on a GPU nnvllm uses
-nnsight's ``VLLM`` with :mod:`nnvllm._gpu`'s worker.
+nnsight's ``VLLM`` with :mod:`nnvllm.engine.worker.gpu`'s worker.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ __all__ = ["CPUVLLM"]
 class CPUVLLM(VLLM):
     """nnsight's ``VLLM`` for a machine with no accelerator: vLLM's CPU backend underneath."""
 
-    _WORKER_CLS = "nnvllm._cpu_worker.NNsightCPUWorker"  # imported only by CPU engine processes
+    _WORKER_CLS = "nnvllm.engine.worker.cpu.NNsightCPUWorker"  # imported only by CPU engine processes
 
     @staticmethod
     @contextlib.contextmanager

@@ -251,7 +251,7 @@ CPU_BUSY_LOOP_S = 0.1
 
 def shorter_busy_loop(seconds: float = CPU_BUSY_LOOP_S) -> None:
     """Make this process's readers of vLLM's shared-memory message queues spin ``seconds`` after a read
-    instead of 1 s (CPU engines; called in every CPU engine process: nnvllm.engine, nnvllm._cpu_worker).
+    instead of 1 s (CPU engines; called in every CPU engine process: nnvllm.engine, nnvllm.engine.worker.cpu).
 
     Under tensor parallelism the executor broadcasts each step to its workers and reads their replies
     through these queues; a reader spins (``sched_yield``) for ``busy_loop_s`` after every read before it
@@ -298,21 +298,21 @@ class Touch:
 #: the missing ones instead of failing somewhere inside the engine.
 PRIVATE_SURFACE: tuple[Touch, ...] = (
     # nnsight: the client model and its load
-    Touch("nnsight.modeling.vllm", "VLLM._load_meta", "engine.py", "build the meta tree, then untie shared modules"),
-    Touch("nnsight.modeling.vllm", "VLLM._load", "engine.py", "take cuda_graphs=/exact= before nnsight sees them"),
-    Touch("nnsight.modeling.vllm", "VLLM._load_sync", "engine.py", "start vLLM's LLM with nnvllm's worker"),
-    Touch("nnsight.modeling.vllm", "VLLM._load_async", "engine.py", "start AsyncLLM with nnvllm's worker (server)"),
-    Touch("nnsight.modeling.vllm", "VLLM._WORKER_CLS", "engine.py, _cpu.py", "which worker class vLLM runs"),
-    Touch("nnsight.modeling.vllm", "VLLM._cleanup_distributed", "engine.py, isolated.py",
+    Touch("nnsight.modeling.vllm", "VLLM._load_meta", "models.py", "build the meta tree, then untie shared modules"),
+    Touch("nnsight.modeling.vllm", "VLLM._load", "models.py", "take cuda_graphs=/exact= before nnsight sees them"),
+    Touch("nnsight.modeling.vllm", "VLLM._load_sync", "models.py", "start vLLM's LLM with nnvllm's worker"),
+    Touch("nnsight.modeling.vllm", "VLLM._load_async", "models.py", "start AsyncLLM with nnvllm's worker (server)"),
+    Touch("nnsight.modeling.vllm", "VLLM._WORKER_CLS", "models.py, cpu.py", "which worker class vLLM runs"),
+    Touch("nnsight.modeling.vllm", "VLLM._cleanup_distributed", "models.py, isolated.py",
           "end the client's torch.distributed state on close"),
-    Touch("nnsight.modeling.vllm", "VLLM._meta_device", "_cpu.py", "the meta build, without accelerator calls"),
+    Touch("nnsight.modeling.vllm", "VLLM._meta_device", "cpu.py", "the meta build, without accelerator calls"),
     Touch("nnsight.modeling.vllm", "VLLM._attach_mediators", "server.py", "the serve handler's invokes"),
-    Touch("nnsight.modeling.vllm.engines.engine", "NNsightLLMEngine", "engine.py", "the in-process engine class"),
+    Touch("nnsight.modeling.vllm.engines.engine", "NNsightLLMEngine", "models.py", "the in-process engine class"),
     Touch("nnsight.modeling.vllm.engines.engine", "acollect", "server.py", "collect one request's saves"),
     Touch("nnsight.modeling.vllm.collect", "merge_shared_saves", "server.py", "merge saves across invokes"),
-    Touch("nnsight.modeling.vllm.workers.GPUWorker", "NNsightGPUWorker", "_gpu.py, _cpu_worker.py",
+    Touch("nnsight.modeling.vllm.workers.GPUWorker", "NNsightGPUWorker", "worker/gpu.py, worker/cpu.py",
           "nnsight's worker RPCs (collect_nnsight, ...)"),
-    Touch("nnsight.modeling.vllm.model_runners.GPUModelRunner", "NNsightGPUModelRunner", "_gpu.py, _cpu_worker.py",
+    Touch("nnsight.modeling.vllm.model_runners.GPUModelRunner", "NNsightGPUModelRunner", "worker/gpu.py, worker/cpu.py",
           "nnsight's runner, under nnvllm's recording runner"),
     Touch("nnsight.tracing.globals", "SOURCES", "server.py", "cleared per request (stale invoke bodies)"),
     Touch("nnsight.tracing.globals", "BLOCKS", "server.py", "cleared per request (stale invoke bodies)"),
@@ -328,28 +328,28 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
     Touch("nnsight.modeling.vllm.serve.backend", "LocalServeBackend._send", "isolated.py",
           "send traces over the kept-alive connection"),
     Touch("nnsight.modeling.vllm.serve.http", "headers", "isolated.py", "the serve protocol's headers"),
-    # vLLM: the model runner nnvllm's worker records in (nnvllm/_worker.py)
-    Touch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._determine_batch_execution_and_padding", "_worker.py",
+    # vLLM: the model runner nnvllm's worker records in (nnvllm/engine/worker/runner.py)
+    Touch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._determine_batch_execution_and_padding", "worker/runner.py",
           "run a step that carries an nnsight trace eagerly (CUDA graphs stay on)",
           set_in_init=("input_batch", "requests", "query_start_loc", "positions", "model_config",
                        "compilation_config", "execute_model_state", "device")),
-    Touch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", "_worker.py", "the model the taps go on"),
-    Touch("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "_cpu_worker.py", "the CPU backend's runner"),
-    Touch("vllm.v1.worker.cpu_worker", "CPUWorker", "_cpu_worker.py", "the CPU backend's worker"),
-    Touch("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading", "_compat.py",
+    Touch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", "worker/runner.py", "the model the taps go on"),
+    Touch("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "worker/cpu.py", "the CPU backend's runner"),
+    Touch("vllm.v1.worker.cpu_worker", "CPUWorker", "worker/cpu.py", "the CPU backend's worker"),
+    Touch("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading", "compat.py",
           "skipped on the client's meta tree (tolerant_meta_weight_processing)"),
-    Touch("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", "_compat.py",
+    Touch("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", "compat.py",
           "the isolated server's EngineCore forked on CPU (engine_core_by_fork)", cpu_only=True),
-    Touch("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition.__init__", "_compat.py",
+    Touch("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition.__init__", "compat.py",
           "CPU tensor parallelism: readers spin 0.1 s after a read, not 1 s (shorter_busy_loop)", cpu_only=True),
-    Touch("vllm.v1.engine.async_llm", "AsyncLLM", "engine.py, server.py", "the isolated engine"),
+    Touch("vllm.v1.engine.async_llm", "AsyncLLM", "models.py, server.py", "the isolated engine"),
     Touch("vllm.v1.engine.core_client", "AsyncMPClient.pause_scheduler_async", "server.py",
           "hold the scheduler while a call's requests go in, so they run as one batch"),
     Touch("vllm.v1.engine.core_client", "AsyncMPClient.resume_scheduler_async", "server.py", "release it"),
     Touch("vllm.v1.engine.output_processor", "OutputProcessor", "server.py",
           "which of a call's requests are in (by the caller's request id)", set_in_init=("external_req_ids",)),
     # torch
-    Touch("torch.distributed.rendezvous", "TCPStore", "_compat.py", "bind the rendezvous store to loopback"),
+    Touch("torch.distributed.rendezvous", "TCPStore", "compat.py", "bind the rendezvous store to loopback"),
 )
 
 
@@ -410,5 +410,5 @@ def report_private_surface() -> None:
     if missing:
         raise RuntimeError(
             "the installed vLLM/nnsight lack names nnvllm relies on (the version check was skipped with "
-            f"{SKIP_ENV}=1):\n- " + "\n- ".join(missing) + "\nInstall a supported pair (nnvllm._compat.SUPPORTED_VLLM, "
+            f"{SKIP_ENV}=1):\n- " + "\n- ".join(missing) + "\nInstall a supported pair (nnvllm.engine.compat.SUPPORTED_VLLM, "
             "SUPPORTED_NNSIGHT) or adapt the modules named above.")

@@ -1,0 +1,255 @@
+"""The engine floor: load a model on a vLLM engine through nnsight, and list the live engines.
+
+``load`` returns nnsight's ``VLLM`` (a subclass of it: :mod:`.models`), so everything nnsight users
+write works unchanged::
+
+    model = nv.load()                         # the embedded toy model
+    with model.trace("The capital of France is", temperature=0.0):
+        h = model.transformer.h[2].output.clone().save()
+
+The rooms of this floor: :mod:`.models` (the model classes and engine arguments), :mod:`.start`
+(starting an engine in this process), :mod:`.transport` (the one contract every verb calls, and its
+in-process transport), :mod:`.isolated` and :mod:`.server` (the engine in its own process),
+:mod:`.compat` (the supported versions and every private name of vLLM and nnsight relied on),
+:mod:`.procs` (process helpers), and :mod:`.worker` (what runs inside vLLM's worker: taps, per-step
+placement, the shared-memory hand-off, the runner and worker classes). Only this floor and
+:mod:`nnvllm.reference` import vLLM, nnsight or transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import _validate
+from ..arch import arch_for
+from . import compat as _compat
+from .models import (_CLASSES, _is_hub_id, _needs_weight_files, _preflight, _resolve, cpu_defaults, default_cuda_graphs,
+                     fit_gpu_memory, has_cuda, model_classes)
+from .procs import tree_rss
+from .start import _build_engine
+
+# Reachable from here as well as from their rooms (tests and tools import them as nnvllm.engine.<name>).
+from .models import GPU_SHARE_ENV, KV_CACHE_ENV, _fit, exact_environment, uses_cuda_graphs  # noqa: E402,F401
+from .heap import _collections_deferred, _core_in_this_process, _start_collections  # noqa: E402,F401
+
+__all__ = ["load", "engines", "EngineInfo", "cpu_defaults", "has_cuda"]
+
+
+def __getattr__(name: str):
+    # The model classes are built on first use (importing nnvllm must not import vLLM) and then
+    # reachable as nnvllm.engine.<name>, in any process. That is what lets cloudpickle pickle them
+    # by reference when nnsight ships a model with every invoke: by value, each trace re-pickled
+    # every method and searched all of sys.modules for some of them (measured on CPU: a 36-invoke
+    # trace took 18-20 s instead of 0.1-0.2 s, in-process and isolated alike).
+    if name in ("GPUModel", "CPUModel"):
+        return dict(zip(("GPUModel", "CPUModel"), model_classes()))[name]
+    if name in ("IsolatedGPUModel", "IsolatedCPUModel"):
+        return _client_class(gpu=name == "IsolatedGPUModel")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def default_isolate() -> bool:
+    """Whether :func:`load` isolates the engine when ``isolate=`` is not given: on a GPU, yes.
+
+    Measured (docs/engines.md): on the 2-core CPU machine an isolated engine starts 2.7x slower
+    (24 s vs 9 s) and adds 13-60 ms per call, for memory that comes back on ``close()`` either way.
+    On an H200 it starts 1.4x slower (58 s vs 43 s), and when the kernel dies without closing, an
+    in-process engine's EngineCore stayed holding 43 GB of GPU memory; an isolated one was gone in 4 s.
+    """
+    return has_cuda()
+
+
+# ---------------------------------------------------------------- live engines
+
+_ENGINES: dict[int, weakref.ref] = {}  # id -> every model load() returned, alive or not
+
+
+def _other_in_process_engines(model) -> list:
+    """In-process engines of this process other than ``model`` (None: all) that are still open."""
+    live = [m for m in (ref() for ref in list(_ENGINES.values())) if m is not None and m is not model]
+    return [m for m in live if not getattr(m, "_nnvllm_isolated", False)
+            and getattr(m, "vllm_entrypoint", None) is not None]
+
+
+def _track(model) -> None:
+    _ENGINES[id(model)] = weakref.ref(model, lambda _r, k=id(model): _ENGINES.pop(k, None))
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One live engine, as :func:`engines` lists it."""
+
+    model: str
+    kind: str  # "in-process" | "isolated" | "attached"
+    pid: int | None  # the process holding the engine (this one for in-process; None when attached)
+    rss_mib: float | None  # resident memory of that process and its children (RSS), MiB
+    url: str | None
+    _model: Any = field(default=None, repr=False, compare=False)  # a weakref to the model
+
+    def close(self) -> None:
+        """Close this engine (as ``model.close()``): e.g. one left behind by re-running a load cell."""
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            model.close()
+
+
+def engines() -> list[EngineInfo]:
+    """List the engines this process has loaded and not closed, with their process and memory.
+
+    Memory is the RSS of the engine's process tree: an isolated engine's server and its vLLM
+    processes; for an in-process engine, this whole process and its children other than isolated
+    engines (vLLM's own worker processes under tensor parallelism). An engine attached with
+    ``url=`` runs elsewhere: no pid or memory.
+
+    Example:
+        >>> nv.engines()                                        # doctest: +SKIP
+        [EngineInfo(model='.../toy_model', kind='isolated', pid=4242, rss_mib=1661.0,
+                    url='http://127.0.0.1:40731')]
+    """
+
+    live = [m for m in (ref() for ref in list(_ENGINES.values())) if m is not None]
+    isolated = [m for m in live if getattr(m, "_nnvllm_isolated", False)]
+    in_process = _other_in_process_engines(None)
+    isolated = [m for m in isolated if not m._closed and m._dead is None]
+    out = []
+    for m in isolated:
+        rss = tree_rss(m.pid) if m.pid is not None else None
+        out.append(EngineInfo(m.checkpoint, "isolated" if m.pid is not None else "attached", m.pid,
+                              None if rss is None else round(rss / 2**20, 1), m.url, weakref.ref(m)))
+    if in_process:
+        own = tree_rss(os.getpid()) - sum(tree_rss(m.pid) or 0 for m in isolated if m.pid is not None)
+        for m in in_process:
+            out.append(EngineInfo(m.checkpoint, "in-process", os.getpid(), round(own / 2**20, 1), None,
+                                  weakref.ref(m)))
+    return out
+
+
+def load(
+    model: str | os.PathLike | None = None,
+    *,
+    isolate: bool | None = None,
+    url: str | None = None,
+    token: str | None = None,
+    start_timeout: float = 600.0,
+    **engine_args: Any,
+):
+    """Start a vLLM engine on ``model`` and return it as an nnsight ``VLLM`` model.
+
+    Args:
+        model: a checkpoint directory, a hub id, or None for the embedded toy model.
+        isolate: run the engine in its own process group (``True``) or in this process (``False``).
+            Isolated, ``close()`` gives all of its memory back and a crash or kill leaves this
+            process (the kernel) alive; in-process starts faster. None picks per platform
+            (:func:`default_isolate`: isolated on GPU, in-process on CPU; see docs/engines.md).
+        url: attach to an engine started elsewhere with ``python -m nnvllm.engine.server MODEL --port P
+            --token T``; ``model`` is then optional (its config comes from the server).
+        token: the token of the engine at ``url``.
+        start_timeout: seconds an isolated engine may take to start before it is stopped and a
+            ``TimeoutError`` (with the end of its log) is raised.
+        **engine_args: vLLM engine arguments (``tensor_parallel_size``, ``dtype``, ``max_model_len``,
+            ...). On CPU, :func:`cpu_defaults` fills the ones not given. On a GPU,
+            ``cuda_graphs=True`` makes the engine replay CUDA graphs for decode steps:
+            :func:`nnvllm.generate` records through them (``nnvllm.engine.worker``; measured 3.1x faster
+            than eager on an H200, same numbers bit for bit) and steps of an nnsight trace run
+            eagerly.
+            ``exact=True`` (GPU, fp32): full-precision fp32 attention, so that vLLM matches
+            transformers to fp32 rounding (without it, Triton's TF32 dot products leave ~1e-3 on
+            the residual stream; docs/discrepancies.md). Implies ``dtype="float32"``.
+
+    Returns:
+        The model, usable as ``with model.trace(prompt, temperature=0.0): ...``; it also has
+        ``.arch`` (module layout), ``.n_layers``, ``.close()`` and, in-process, ``.llm`` (the
+        ``vllm.LLM``); isolated, ``.restart()``, ``.pid`` and ``.url``.
+
+    Example:
+        >>> model = nv.load()                                   # doctest: +SKIP
+        >>> run = nv.generate(model, "The capital of France is", max_tokens=3)   # doctest: +SKIP
+        >>> with nv.load(isolate=True) as iso:                  # doctest: +SKIP
+        ...     run = nv.generate(iso, "The capital of France is")
+    """
+    if url is not None:
+        if isolate is False:
+            raise ValueError(f"isolate=False asks for an engine in this process, but url={url!r} names one "
+                             "running elsewhere; drop one of the two")
+        if engine_args:
+            raise ValueError(
+                f"engine arguments {sorted(engine_args)} cannot apply to an engine that is already running "
+                f"at {url}; they are set where it was started (python -m nnvllm.engine.server MODEL --flag value)"
+            )
+        from . import isolated
+
+        def cls_for(where):
+            path, cfg = _resolve(where)
+            arch = arch_for(cfg.get("architectures"), where=repr(path))
+            return _client_class(), path, arch
+
+        m = isolated.attach(cls_for, url, token, None if model is None else str(model))
+        _track(m)
+        return m
+    if token is not None:
+        raise ValueError("token= goes with url= (an engine started elsewhere); an engine nnvllm starts "
+                         "gets its own random token")
+    if isolate is None:
+        isolate = default_isolate()
+    if not isinstance(isolate, bool):
+        raise TypeError(f"isolate={isolate!r}; expected True, False or None (the platform default)")
+    # Every check that needs no engine runs here, before one starts (seconds to minutes of work).
+    engine_args = _validate.engine_args(engine_args)
+    quiet_engine_logs()
+    if engine_args.get("exact"):
+        dt = engine_args.get("dtype", "float32")
+        if str(dt).removeprefix("torch.") not in ("float32", "float"):
+            raise ValueError(f"exact=True is fp32 matching transformers; it cannot go with dtype={dt!r}. "
+                             "Drop dtype= (exact implies float32) or drop exact=True.")
+        engine_args = {**engine_args, "dtype": "float32"}
+    if has_cuda():
+        engine_args = fit_gpu_memory(engine_args)
+        if "cuda_graphs" not in engine_args:
+            engine_args = {**engine_args, "cuda_graphs": default_cuda_graphs()}
+    weights = _needs_weight_files(engine_args)
+    if not isolate:
+        if not _is_hub_id(model):  # a local folder: its config and weights (_build_engine reads it again)
+            _preflight(model, weights)
+        m = _build_engine(model, **engine_args)
+        _track(m)
+        return m
+    from . import isolated
+
+    path, arch = _preflight(model, weights)
+    if not has_cuda():
+        engine_args = {**cpu_defaults(int(engine_args.get("tensor_parallel_size", 1))), **engine_args}
+    _compat.check_versions()
+    m = isolated.start(_client_class(), path, arch, engine_args, start_timeout)
+    _track(m)
+    return m
+
+
+def quiet_engine_logs() -> None:
+    """vLLM's ~45 INFO lines per engine start, off unless asked for (issue 14, item 9).
+
+    Sets ``VLLM_LOGGING_LEVEL=WARNING`` for vLLM in this process and the engine processes it starts,
+    unless the caller set ``VLLM_LOGGING_LEVEL`` or ``NNVLLM_VERBOSE=1``. Warnings and errors still
+    show, and an isolated engine's log keeps them (a failed start quotes the first error).
+    """
+    import logging
+
+    if os.environ.get("NNVLLM_VERBOSE") or "VLLM_LOGGING_LEVEL" in os.environ:
+        return
+    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    logging.getLogger("vllm").setLevel(logging.WARNING)  # vLLM imported before: its logger is set up
+
+
+def _client_class(gpu: bool | None = None):
+    """nnvllm's model class with the isolated mixin first: a meta-only client of a served engine."""
+    from .isolated import IsolatedMixin
+
+    gpu = has_cuda() if gpu is None else gpu
+    name = "IsolatedGPUModel" if gpu else "IsolatedCPUModel"
+    if name not in _CLASSES:
+        GPUModel, CPUModel = model_classes()
+        cls = type(name, (IsolatedMixin, GPUModel if gpu else CPUModel), {"__module__": __name__})
+        _CLASSES[name] = cls
+    return _CLASSES[name]

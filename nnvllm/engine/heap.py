@@ -1,0 +1,108 @@
+"""Garbage collection around an engine's start and close.
+
+An engine start imports torch, transformers, nnsight and vLLM over a growing heap; left alone,
+Python's automatic collections and vLLM's own ``gc.collect()`` calls (model load, KV-cache profile,
+``freeze_gc_heap``) walk the whole heap a dozen times or more, several seconds of a CPU start.
+:func:`_start_collections` keeps automatic collection off for the start and makes vLLM's full
+collections walk only what is new; :func:`_collections_deferred` does the same for a close.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+
+def _core_in_this_process(mode: str) -> bool:
+    """Whether vLLM will run its EngineCore (and, at TP=1, the worker) inside this process: a sync
+    ``LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (nnvllm's in-process CPU engine at TP=1). vLLM's
+    default (1, the GPU) and the server's AsyncLLM run it in a process of their own."""
+    import vllm.envs
+
+    return mode == "sync" and not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING
+
+
+_STARTING: tuple | None = None  # (gc.collect as it was, gc was enabled) while an engine starts here
+
+
+@contextlib.contextmanager
+def _start_collections(mode: str):
+    """While an engine starts (its imports of torch, transformers, nnsight and vLLM included): no
+    automatic garbage collections, and each full collection vLLM asks for walks only what was made
+    since the one before.
+
+    A process that starts an engine walks its whole heap again and again: while it imports vLLM,
+    Python's automatic full collections (a dozen over a heap that keeps growing), then vLLM's own
+    ``gc.collect()`` after every weight load and KV-cache profile and before it freezes the heap
+    (``base_loader.load_model``, ``_cleanup_profiling_kv_cache``, ``gc_utils.freeze_gc_heap``) where
+    its EngineCore runs: 17 full passes, ~6 s of a ~20 s first start of the toy engine on the 2-core
+    CPU box (session 15). Here automatic collection is off for the start, and where the EngineCore
+    runs in this process (``_core_in_this_process``: the CPU at TP=1 and in-process TP>1) each of
+    vLLM's full collections freezes what survives it (``gc.freeze``), so the next one walks only what
+    the start made since: the same garbage is freed (what the start makes and drops, vLLM's reason
+    for collecting), and the heap ends frozen, as vLLM leaves it at the end of a start anyway (and
+    unfreezes at shutdown). Where the EngineCore runs elsewhere, nothing is frozen here, and a
+    process forked during the start (vLLM's EngineCore: the GPU, the isolated server) gets collection
+    back at once, its inherited heap frozen (vLLM freezes it at the end of the EngineCore's start).
+    A heap someone else froze is not frozen further; after a failed start a heap frozen here is
+    unfrozen again.
+    """
+    global _STARTING
+    real, enabled, frozen = gc.collect, gc.isenabled(), gc.get_freeze_count()
+
+    def collect(generation: int = 2) -> int:
+        n = real(generation)
+        if generation == 2 and not frozen and _core_in_this_process(mode):
+            gc.freeze()
+        return n
+
+    gc.disable()
+    gc.collect = collect
+    _STARTING = (real, enabled)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        _STARTING = None
+        gc.collect = real
+        if enabled:
+            gc.enable()
+        if not ok and not frozen:
+            gc.unfreeze()
+
+
+def _collections_in_forked_child() -> None:
+    global _STARTING
+    if _STARTING is not None:  # forked while an engine starts (vLLM's EngineCore): collect as usual
+        real, enabled = _STARTING
+        _STARTING = None
+        gc.collect = real
+        gc.freeze()  # the inherited heap: the imports, all of it lasting
+        if enabled:
+            gc.enable()
+
+
+os.register_at_fork(after_in_child=_collections_in_forked_child)  # (a no-op unless an engine is starting)
+
+
+@contextlib.contextmanager
+def _collections_deferred(core_here: bool = True):
+    """While an in-process engine shuts down: vLLM's ``gc.collect()`` calls do nothing (the caller
+    collects once afterwards, when the engine is unreferenced and its objects are garbage).
+
+    Where vLLM's EngineCore runs in this process (the CPU), its shutdown collects twice over the whole
+    heap (``EngineCore.shutdown`` unfreezes the heap, then ``cleanup_dist_env_and_memory`` and the
+    model runner's KV-cache cleanup collect), while the engine is still referenced from the closing
+    call, so those passes cannot free it: ~0.75 s each on the 2-core box, close 2.5 s instead of
+    ~1 s (session 14). Elsewhere (``core_here=False``) nothing changes.
+    """
+    if not core_here:
+        yield
+        return
+    real = gc.collect
+    gc.collect = lambda generation=2: 0
+    try:
+        yield
+    finally:
+        gc.collect = real

@@ -1,0 +1,3 @@
+"""What runs inside vLLM's worker process: the taps (:mod:`.taps`), the per-step placement
+(:mod:`.arena`), the shared-memory hand-off (:mod:`.handoff`, whose client half the verbs import), and
+the runner and worker classes vLLM is given (:mod:`.runner`, :mod:`.gpu`, :mod:`.cpu`)."""

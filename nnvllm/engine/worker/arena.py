@@ -1,0 +1,342 @@
+"""Per-step placement: where each step's rows of each request go, and the samples computed at collect.
+
+Once per engine step, after the forward (:meth:`.runner.RecordingRunner.execute_model`), one
+``index_copy_`` per site moves this step's rows from the taps' static buffers to their final place in
+a per-call arena laid out request by request, ``arena[site][layer, offset(request) + position]``. The
+destination rows are computed on the host from vLLM's per-step batch layout (``input_batch.req_ids``,
+``query_start_loc``) plus the positions tensor on the device: no host sync, no per-request or
+per-layer Python. The logits row of each request goes to its step's slot the same way. Recomputed
+rows (preemption) land on the same place (the last write wins); chunked prefill lands by position.
+
+At collect, the sampling statistics are computed on the device for all steps at once and the arena
+is handed over (:mod:`.handoff`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from .handoff import _SPARES, _handover, _ShmFiles
+from .taps import _SHARDED, _Taps, _prompt_len
+
+class _Capture:
+    """One armed capture: its arena (request-major rows) and the per-step placement."""
+
+    def __init__(self, taps: _Taps, spec: dict) -> None:
+        self.taps = taps
+        self.layers = list(spec["layers"])
+        self.sites = [s for s in spec["sites"]]
+        self.keep = taps.rank == 0
+        self.logits = spec.get("logits", True)
+        self.sample = spec.get("sample")  # dict(temperature, top_p, k) or None
+        self.hint_rows = int(spec.get("rows_hint") or 0)
+        self.hint_steps = int(spec.get("steps_hint") or 0)
+        self.layer_idx = None
+        dev = taps.device
+        if self.layers and self.layers != list(range(taps.n_layers)):
+            self.layer_idx = torch.tensor(self.layers, dtype=torch.long, device=dev)
+        # Edits run in the hooks, which a replayed CUDA graph skips: a capture with edits runs eagerly,
+        # unless the graphs make them (steering the residual stream, see _Taps.replayable).
+        edits = spec.get("edits") or []
+        self.need_eager = (any(s not in taps.in_graph for s in self.sites)
+                           or (bool(edits) and not taps.replayable(edits))) and taps.cap > 0
+        self.requests: dict[str, tuple[int, int, int, int, int]] = {}  # rid -> (arena, off, rows, loff, plen)
+        self.arenas: list[dict[str, torch.Tensor]] = []
+        self.free_rows = 0
+        self.free_steps = 0
+        self.last_ids: list[str] | None = None
+        self.merged_gate_up = bool(taps.arch.get("merged_gate_up"))
+        # Logits stay in the engine's dtype (what its sampler upcasts): half the bytes of fp32 in fp16.
+        self.logits_dtype = taps.dtype
+        remote = spec.get("client_pid") != os.getpid()
+        self.shm = _ShmFiles(taps.device) if remote and self.keep else None
+        # files of the client's dropped Runs, ready again (see _Spares); the client hears which
+        self.taken_back = _SPARES.take_back(spec.get("returned")) if remote else []
+        self.timings: dict[str, float] = {}
+        self.stats = {"rows": 0, "partial_prefills": 0, "steps": 0, "batch_changes": 0, "eager": bool(self.need_eager)}
+        # nv.stream: positions computed per request (kept only when streaming) and how far peek() went
+        self.streaming = bool(spec.get("stream"))
+        self.done: dict[str, int] = {}
+        self.peeked: dict[str, int] = {}
+        self.error: str | None = None
+
+    def check_memory(self) -> None:
+        """Refuse, before anything runs, a capture whose arena cannot fit in free device memory."""
+        t = self.taps
+        if t.device.type != "cuda" or not self.keep or not self.hint_rows:
+            return
+        item = torch.empty((), dtype=t.dtype).element_size()
+        width = sum(t.widths.get(s, 0) * (t.tp if s in _SHARDED else 1) for s in self.sites)
+        need = self.hint_rows * len(self.layers) * width * item + self.hint_steps * self._vocab() * 4
+        free, _ = torch.cuda.mem_get_info(t.device)
+        if need > 0.9 * free:
+            raise ValueError(
+                f"this capture needs about {need / 2**30:.1f} GiB of device memory for its arena and "
+                f"{free / 2**30:.1f} GiB are free. Capture fewer prompts, layers or sites per call, "
+                "pass logits=False, stream to disk with nv.collect(..., memory_budget=...), or load "
+                "the engine with a lower gpu_memory_utilization.")
+
+    # ---- arena
+    def _arena_for(self, rows: int, steps: int) -> int:
+        if not self.arenas or rows > self.free_rows or steps > self.free_steps:
+            # Size for what the client announced, or else for every request the runner holds now,
+            # and at least double the last arena: a few arenas per call at most.
+            waiting = [st for rid, st in self.taps.runner.requests.items() if rid not in self.requests]
+            guess_r = sum(len(st.prompt_token_ids or ()) + int(st.sampling_params.max_tokens or 1) for st in waiting)
+            guess_s = sum(int(st.sampling_params.max_tokens or 1) for st in waiting)
+            prev_r = self.arenas[-1][self.sites[0]].shape[1] if self.arenas and self.sites else 0
+            rows_n = max(rows, self.hint_rows, guess_r, 2 * prev_r)
+            steps_n = max(steps, self.hint_steps, guess_s, 2 * (self.arenas[-1]["_logits"].shape[0] if self.arenas else 0))
+            self.hint_rows = self.hint_steps = 0  # the hint sizes the first arena only
+            t = self.taps
+            a: dict[str, torch.Tensor] = {}
+            for s in self.sites:
+                w = t.width.get(s) or t.widths[s]
+                if s in _SHARDED:
+                    w *= t.tp
+                a[s] = torch.empty(len(self.layers), rows_n + 1, w, dtype=t.dtype, device=t.device)
+            a["_logits"] = torch.zeros(steps_n + 1, self._vocab(), dtype=self.logits_dtype, device=t.device)
+            if self.shm is not None:  # the files the hand-off will fill (logits only when asked for)
+                for name, x in a.items():
+                    if name != "_logits":
+                        self.shm.prepare(x[:, :rows_n].numel() * x.element_size())
+                    elif self.logits:
+                        self.shm.prepare(steps_n * x.shape[1] * x.element_size())
+            self.arenas.append(a)
+            self.used_rows, self.used_steps = 0, 0
+            self.free_rows, self.free_steps = rows_n, steps_n
+        k = len(self.arenas) - 1
+        return k
+
+    def _vocab(self) -> int:
+        if not self.logits and self.sample is None:
+            return 1
+        return int(self.taps.runner.model_config.get_vocab_size())
+
+    def _place(self, rid: str) -> tuple:
+        st = self.taps.runner.requests[rid]
+        plen = _prompt_len(st)
+        mt = int(st.sampling_params.max_tokens or 1)
+        rows, steps = plen + mt, mt
+        k = self._arena_for(rows, steps)
+        ent = (k, self.used_rows, rows, self.used_steps, plen)
+        self.used_rows += rows
+        self.used_steps += steps
+        self.free_rows -= rows
+        self.free_steps -= steps
+        self.requests[rid] = ent
+        return ent
+
+    # ---- once per step
+    def step(self, runner: Any) -> None:
+        t = self.taps
+        n = runner.input_batch.num_reqs
+        if n == 0:
+            return
+        qsl = runner.query_start_loc.np[: n + 1]
+        ntok = int(qsl[-1])
+        if ntok == 0:
+            return
+        ids = runner.input_batch.req_ids[:n]
+        dev = t.device
+        # Sharded sites: all ranks gather (a collective each rank must join), rank 0 keeps.
+        gathered = {}
+        for s in self.sites:
+            if t.tp > 1 and s in _SHARDED:
+                src = t.fired.get(s, t.static.get(s))
+                gathered[s] = _gather(src[:, :ntok], s, self.merged_gate_up)
+        if not self.keep or self.error is not None:
+            return
+        try:
+            self._place_step(runner, n, qsl, ntok, ids, gathered)
+        except Exception as e:  # noqa: BLE001
+            # A failed recording (e.g. out of device memory for the arena) fails this capture
+            # alone: the generation goes on, the engine stays up, collect() reports the cause.
+            self.error = f"{type(e).__name__}: {e}"
+            self.arenas = []
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def _place_step(self, runner, n, qsl, ntok, ids, gathered) -> None:
+        t = self.taps
+        dev = t.device
+        if ids != self.last_ids:
+            # The batch changed: look its requests up (placing new ones). Columns: arena, row
+            # offset, logits-row offset, prompt length. Steady decode steps skip this.
+            ents = [self.requests.get(r) or self._place(r) for r in ids]
+            self.last_ids = list(ids)
+            self.stats["batch_changes"] += 1
+            self.tab = np.array([[e[0], e[1], e[3], e[4]] for e in ents], dtype=np.int64)
+        counts = np.diff(qsl)
+        tok_req = np.repeat(np.arange(n), counts)
+        # Bookkeeping the tests read (host-side numbers only): rows placed, prompt chunks seen.
+        self.stats["rows"] += ntok
+        self.stats["steps"] += 1
+        done = runner.input_batch.num_computed_tokens_cpu[:n] + counts
+        self.stats["partial_prefills"] += int((done < self.tab[:, 3]).sum())
+        if self.streaming:  # (a loop over the batch's requests: only when a stream will peek)
+            self.done.update(zip(ids, done.tolist()))
+        pos = runner.positions[:ntok]
+        if pos.device != dev:
+            pos = pos.to(dev)
+        arenas_here = np.unique(self.tab[:, 0])
+        for k in arenas_here:
+            arena = self.arenas[int(k)]
+            in_k = self.tab[:, 0] == k
+            tok_sel = in_k[tok_req]
+            if len(arenas_here) == 1:
+                tok_off = torch.from_numpy(self.tab[tok_req, 1])
+                dst = _to(tok_off, dev) + pos
+                src_rows = None
+            else:
+                rows_np = np.nonzero(tok_sel)[0]
+                src_rows = _to(torch.from_numpy(rows_np), dev)
+                dst = _to(torch.from_numpy(self.tab[tok_req[rows_np], 1]), dev) + pos[src_rows]
+            for s in self.sites:
+                src = gathered.get(s)
+                if src is None:
+                    buf = t.fired.get(s, t.static.get(s))
+                    if buf is None:
+                        raise RuntimeError(f"nnvllm: no value of site {s!r} was recorded this step "
+                                           "(a replayed CUDA graph without it); load with cuda_graphs=False")
+                    src = buf[:, :ntok]
+                if self.layer_idx is not None:
+                    src = src.index_select(0, self.layer_idx)
+                if src_rows is not None:
+                    src = src.index_select(1, src_rows)
+                arena[s].index_copy_(1, dst, src)
+            # The logits row of each request: its last scheduled token's position.
+            lg = runner.execute_model_state.logits if runner.execute_model_state is not None else None
+            if lg is None or arena["_logits"].shape[1] == 1:
+                continue
+            req_sel = np.nonzero(in_k)[0]
+            last_tok = torch.from_numpy(qsl[1:][req_sel] - 1)
+            lpos = pos[_to(last_tok, dev)]
+            base = torch.from_numpy(self.tab[req_sel, 2] - (self.tab[req_sel, 3] - 1))
+            ldst = _to(base, dev) + lpos
+            # Rows of a prompt only partly prefilled this step go to the spare last row.
+            ldst = torch.where(lpos >= _to(torch.from_numpy(self.tab[req_sel, 3] - 1), dev), ldst,
+                               torch.full_like(ldst, arena["_logits"].shape[0] - 1))
+            rows = lg[:n] if len(arenas_here) == 1 else lg[_to(torch.from_numpy(req_sel), dev)]
+            arena["_logits"].index_copy_(0, ldst, rows.to(arena["_logits"].dtype))
+
+    def peek(self) -> dict:
+        """For nv.stream: each request's rows computed since the last peek (positions ``[from, to)``
+        of the residual stream, on the host) and the logits rows of the steps those positions
+        produced (step ``s`` comes from position ``plen - 1 + s``). Small: a few positions per call."""
+        if self.error is not None:
+            return {"error": self.error}
+        if not self.keep:
+            return {}
+        out = {}
+        for rid, done in self.done.items():
+            a = self.peeked.get(rid, 0)
+            if done <= a:
+                continue
+            k, off, rows, loff, plen = self.requests[rid]
+            arena = self.arenas[k]
+            ent: dict[str, Any] = {"plen": plen, "from": a, "to": done}
+            if "resid" in self.sites:
+                ent["resid"] = arena["resid"][:, off + a: off + done].to("cpu")
+            s0, s1 = max(a - plen + 1, 0), max(done - plen + 1, 0)
+            if s1 > s0 and arena["_logits"].shape[1] > 1:
+                ent["logits"] = arena["_logits"][loff + s0: loff + s1].to("cpu")
+            self.peeked[rid] = done
+            out[rid] = ent
+        return out
+
+    # ---- at the end
+    def collect(self, tokens: dict[str, list[int]], same_process: bool) -> dict | None:
+        if self.error is not None:
+            return {"error": self.error}
+        if not self.keep:
+            return None
+        t = self.taps
+        dev = t.device
+        reqs = {}
+        for rid, (k, off, rows, loff, plen) in self.requests.items():
+            reqs[rid] = {"arena": k, "off": off, "rows": rows, "loff": loff, "plen": plen}
+        out: dict[str, Any] = {"requests": reqs, "arenas": []}
+        for k, arena in enumerate(self.arenas):
+            used_rows = max((r["off"] + r["rows"] for r in reqs.values() if r["arena"] == k), default=0)
+            used_steps = max((r["loff"] + (r["rows"] - r["plen"]) for r in reqs.values() if r["arena"] == k), default=0)
+            tensors: dict[str, torch.Tensor] = {}
+            for s in self.sites:
+                tensors[s] = arena[s][:, :used_rows]
+            if self.sample is not None and used_steps:
+                t0 = _now(dev)
+                tensors.update(self._samples(arena["_logits"][:used_steps], k, reqs, tokens))
+                self.timings["samples"] = self.timings.get("samples", 0.0) + _now(dev) - t0
+            if self.logits:
+                tensors["_logits"] = arena["_logits"][:used_steps]
+            t0 = _now(dev)
+            out["arenas"].append(_handover(tensors, same_process, self.shm, self.timings))
+            self.timings["handover"] = self.timings.get("handover", 0.0) + _now(dev) - t0
+        out["timings"] = dict(self.timings)
+        out["stats"] = dict(self.stats)
+        out["taken_back"] = list(self.taken_back)
+        return out
+
+    def _samples(self, logits: torch.Tensor, k: int, reqs: dict, tokens: dict) -> dict[str, torch.Tensor]:
+        """Sampling statistics for every step row at once (see :mod:`nnvllm.sampling`)."""
+        from ...sampling import chosen_logprobs, sampling_probs
+
+        dev = logits.device
+        chosen = torch.zeros(logits.shape[0], dtype=torch.long)
+        for rid, r in reqs.items():
+            if r["arena"] != k:
+                continue
+            toks = tokens.get(rid)
+            if toks is None:  # the client knows the external id; vLLM appends "-<8 hex>" to it
+                toks = tokens.get(rid.rsplit("-", 1)[0])
+            if toks is None:
+                continue
+            toks = toks[: r["rows"] - r["plen"]]
+            chosen[r["loff"]: r["loff"] + len(toks)] = torch.as_tensor(toks, dtype=torch.long)
+        chosen = chosen.to(dev)
+        temp, top_p, kk = self.sample["temperature"], self.sample["top_p"], self.sample["k"]
+        kk = min(kk, logits.shape[-1])
+        probs_c, top_i, top_p_, logp = [], [], [], []
+        step = max(1, (256 << 20) // (logits.shape[-1] * 4))  # rows per chunk: ~256 MB of fp32 probs
+        for a in range(0, logits.shape[0], step):
+            p = sampling_probs(logits[a: a + step], temp, top_p)
+            top = p.topk(kk, dim=-1)
+            probs_c.append(p.gather(-1, chosen[a: a + step, None])[:, 0])
+            top_i.append(top.indices)
+            top_p_.append(top.values)
+            logp.append(chosen_logprobs(logits[a: a + step], chosen[a: a + step]))
+        return {"_probs": torch.cat(probs_c), "_top_ids": torch.cat(top_i), "_top_probs": torch.cat(top_p_),
+                "_logprobs": torch.cat(logp)}
+
+
+def _now(dev) -> float:
+    import time
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()
+
+
+def _to(x: torch.Tensor, dev) -> torch.Tensor:
+    if dev.type == "cuda":
+        # Pinned (from the caching host allocator, which keeps the block until the copy is done),
+        # then an asynchronous copy: no host sync in the step.
+        return x.pin_memory().to(dev, non_blocking=True)
+    return x
+
+
+def _gather(x: torch.Tensor, site: str, merged_gate_up: bool) -> torch.Tensor:
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    if site == "mlp_in" and merged_gate_up:
+        # Merged gate_up: each rank holds [gate_r, up_r]; the full width is [gate..., up...].
+        g, u = x.chunk(2, dim=-1)
+        return torch.cat([tensor_model_parallel_all_gather(g.contiguous(), -1),
+                          tensor_model_parallel_all_gather(u.contiguous(), -1)], dim=-1)
+    return tensor_model_parallel_all_gather(x.contiguous(), -1)
+
+

@@ -1,0 +1,530 @@
+"""The hand-off: a capture's bytes cross from the engine's worker to the client through shared memory.
+
+Both halves live here. The worker copies the arena once into files in ``/dev/shm`` (page-locked and
+registered with CUDA where there is a GPU, so the device copy lands by DMA); the RPC result is only
+their names and the layout. The client maps the files (:func:`open_handover`): nothing is pickled and
+no RPC size limit applies. Files the client is done with come back as spares (:class:`_Spares`), so
+the next call of the same size does not allocate and page-lock again. In a single-process engine the
+tensors are handed over directly.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+
+SHM_PREFIX = "nnvllm-cap-"
+
+
+def shm_dir() -> str:
+    d = "/dev/shm"
+    return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
+
+
+def watch_server() -> None:
+    """In an isolated engine's processes: end the process group when its server is gone.
+
+    The server (``nnvllm.engine.server``) is the parent of vLLM's EngineCore; killed with SIGKILL it cannot
+    stop them, and they kept their memory (GPU memory on a GPU) until the client's next call. This
+    thread, started where the model loads (EngineCore, or each worker under TP), checks every half
+    second and ends the group (the server's session, which holds nothing else).
+    """
+    import threading
+    import time
+
+    pid = int(os.environ.get("NNVLLM_SERVER_PID") or 0)
+    if not pid or pid == os.getpid() or os.getpgrp() != pid:
+        return  # not inside an isolated engine's own process group
+
+    def alive() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:  # a killed server stays a zombie until the client reaps it
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    def loop() -> None:
+        while alive():
+            time.sleep(0.5)
+        os.killpg(os.getpgrp(), 9)
+
+    threading.Thread(target=loop, name="nnvllm-watch-server", daemon=True).start()
+
+
+def sweep_stale() -> list[str]:
+    """Remove hand-off files whose engine process is gone (a client killed before it mapped them)."""
+    d, gone = shm_dir(), []
+    for name in os.listdir(d):
+        if not name.startswith(SHM_PREFIX):
+            continue
+        try:
+            pid = int(name[len(SHM_PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except (ValueError, ProcessLookupError):
+            try:
+                os.unlink(os.path.join(d, name))
+                gone.append(name)
+            except OSError:
+                pass
+        except PermissionError:
+            pass
+    return gone
+
+
+class _ShmFile:
+    """One file in shared memory, mapped here: ``path``, its open ``fd``, the mapping, and whether the
+    mapping is registered with CUDA (page-locked, so a device copy lands in it by DMA)."""
+
+    def __init__(self, nbytes: int, pin: bool = False, device: Any = None) -> None:
+        self.path = os.path.join(shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        self.size = nbytes
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.mm = None
+        self.ptr = 0
+        self.registered = False
+        self.spare = False  # made between captures (_Spares)
+        self.prep: dict[str, float] = {}  # seconds per preparation stage (benchmarks)
+        if nbytes:
+            try:
+                import mmap
+                import time
+
+                t0 = time.perf_counter()
+                os.posix_fallocate(self.fd, 0, nbytes)
+                t1 = time.perf_counter()
+                self.mm = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                t2 = time.perf_counter()
+                if pin:
+                    self.register(device)
+                self.prep = {"fallocate": t1 - t0, "map": t2 - t1, "register": time.perf_counter() - t2}
+            except BaseException:  # e.g. /dev/shm full: leave no file behind
+                os.close(self.fd)
+                os.unlink(self.path)
+                raise
+
+    def register(self, device: Any = None) -> bool:
+        if self.registered or not self.size:
+            return self.registered
+        if device is not None and getattr(device, "type", None) == "cuda":
+            torch.cuda.set_device(device)  # a pool thread starts on device 0
+        self.ptr = torch.frombuffer(self.mm, dtype=torch.uint8).data_ptr()
+        # cudaHostRegisterPortable (1): page-locked for every CUDA context of the process.
+        self.registered = torch.cuda.cudart().cudaHostRegister(self.ptr, self.size, 1) == 0
+        return self.registered
+
+    def host(self, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+        return torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+    def release(self, keep: int) -> None:
+        """Unmap here (the client maps the file by name) and cut the file to its first ``keep`` bytes."""
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            self.registered = False
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a tensor still views it; the mapping goes with that tensor
+                pass
+        try:
+            if keep < self.size:
+                os.ftruncate(self.fd, keep)
+        finally:
+            os.close(self.fd)
+
+    def discard(self) -> None:
+        self.release(self.size)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+# Hand-off files kept ready between captures (bytes; 0 turns it off), see _Spares.
+SPARE_BYTES = int(os.environ.get("NNVLLM_SPARE_BYTES", 4 << 30))
+
+
+class _Spares:
+    """Hand-off files made ready between captures, one per file the last capture handed over.
+
+    Preparing a file (allocating its pages, mapping them, page-locking them for DMA) costs about as
+    much as a short generation: measured on an H200, a 64 x 128 capture of the Llama-1B shape waited
+    0.12 s at hand-off for its 0.74 GB of files prepared while it generated. Calls in a row usually
+    have the same shape (``nv.collect``'s chunks always do), so after each hand-off the worker makes
+    files of the same sizes in the background, while the engine is idle, up to
+    ``NNVLLM_SPARE_BYTES`` (default 4 GiB of shared memory held between calls; 0: none). A later
+    capture takes the smallest that fits (cut to its size when handed over); the rest are replaced.
+    They go with the engine: unlinked at exit, swept by the next engine if its process was killed.
+
+    Handed-over files are recycled too: the worker keeps the newest of them mapped (and page-locked)
+    in ``kept``, within the same budget, and does not let the client unlink them. When every tensor
+    of a Run that views such a file is gone, the client names the file in its next call
+    (``spec["returned"]``, see :func:`open_handover`) and the worker takes it back as a spare, ready
+    at no cost: calls in a row that drop their Runs (a benchmark, ``nv.collect``'s chunks) prepare
+    no file at all. A kept file the client still holds is never reused; the oldest are let go
+    (unmapped and unlinked here; the client's mapping stays valid) when newer ones need the room.
+    """
+
+    def __init__(self) -> None:
+        self.files: list[tuple[int, Any]] = []  # (size, future of _ShmFile)
+        self.kept: dict[str, _ShmFile] = {}  # handed over, still mapped here, oldest first
+        self.pool = None
+        self.pending: list = []  # futures of background work (see wait)
+
+    def kept_bytes(self) -> int:
+        return sum(f.size for f in self.kept.values())
+
+    def keep(self, f: "_ShmFile") -> bool:
+        """Keep handed-over ``f`` mapped for recycling, letting the oldest kept files go if the budget
+        needs it; False (and nothing kept) when ``f`` alone is over it."""
+        if SPARE_BYTES <= 0 or f.size > SPARE_BYTES:
+            return False
+        while self.kept and self.kept_bytes() + f.size > SPARE_BYTES:
+            old = self.kept.pop(next(iter(self.kept)))
+            self.submit(old.discard)
+        self.kept[f.path] = f
+        return True
+
+    def take_back(self, paths) -> list[str]:
+        """Kept files whose Runs the client has dropped become spares again (mapped, page-locked)."""
+        import concurrent.futures
+
+        taken = []
+        for p in paths or ():
+            f = self.kept.pop(p, None)
+            if f is None:  # not this worker's, or let go already
+                continue
+            fut = concurrent.futures.Future()
+            fut.set_result(f)
+            f.spare = True
+            self.files.insert(0, (f.size, fut))  # taken before a same-size spare that may still be in the making
+            taken.append(p)
+        return taken
+
+    def submit(self, fn, *args):
+        fut = self.executor().submit(fn, *args)
+        self.pending = [f for f in self.pending if not f.done()] + [fut]
+        return fut
+
+    def wait(self) -> None:
+        """Until the background work submitted so far is done (tests)."""
+        for f in list(self.pending):
+            f.exception()
+
+    def executor(self):
+        if self.pool is None:
+            import atexit
+            import concurrent.futures
+
+            self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="nnvllm-shm")
+            atexit.register(self.drop)
+        return self.pool
+
+    def take(self, nbytes: int) -> tuple[int, Any] | None:
+        fits = [(size, i) for i, (size, _) in enumerate(self.files) if nbytes <= size <= 2 * nbytes + (64 << 20)]
+        return self.files.pop(min(fits)[1]) if fits else None
+
+    def refill(self, sizes: list[int], leftovers: list[tuple[int, Any]], make) -> None:
+        """Replace the spares by files of ``sizes`` (largest first, within what SPARE_BYTES leaves
+        beside the kept files), reusing ``leftovers`` (prepared, never handed over) that fit; discard
+        every other file."""
+        old, self.files, total = self.files + leftovers, [], self.kept_bytes()
+        for size in sorted(sizes, reverse=True):
+            if total + size > SPARE_BYTES:
+                continue
+            total += size
+            fit = [(s, i) for i, (s, _) in enumerate(old) if size <= s <= 2 * size + (64 << 20)]
+            self.files.append(old.pop(min(fit)[1]) if fit else (size, self.submit(make, size)))
+        for _, fut in old:
+            self.submit(_discard_when_ready, fut)
+
+    def drop(self) -> None:
+        files, self.files = self.files, []
+        for _, fut in files:
+            _discard_when_ready(fut)
+        kept, self.kept = self.kept, {}
+        for f in kept.values():
+            f.discard()
+
+
+def _spare(nbytes: int, pin: bool, device: Any) -> "_ShmFile":
+    f = _ShmFile(nbytes, pin, device)
+    f.spare = True
+    return f
+
+
+def _discard_when_ready(fut) -> None:
+    try:
+        fut.result(timeout=30).discard()
+    except Exception:  # noqa: BLE001 (a file that failed to be made left nothing behind)
+        pass
+
+
+_SPARES = _Spares()
+
+
+class _ShmFiles:
+    """The hand-off files of one capture, made ready in background threads while the engine generates.
+
+    A fresh tmpfs page costs a fault and zeroing when first touched; done at hand-off time that is
+    tens of ms per 100 MB. The sizes are known once the arena exists, so the files are allocated
+    (``posix_fallocate``), mapped with ``MAP_POPULATE`` and, in ``pin`` mode, page-locked for DMA
+    during the generation instead, or taken from the files the last capture left ready
+    (:class:`_Spares`). After the copy, unmapping (and unpinning) happens in the background too.
+    """
+
+    def __init__(self, device: Any = None) -> None:
+        # page-locked for DMA only on a CUDA engine
+        self.pin = _handover_mode() == "pin" and getattr(device, "type", None) == "cuda"
+        self.device = device
+        self.ready: list[tuple[int, Any]] = []  # (size, future of _ShmFile)
+        self.handed: set[str] = set()  # paths the client maps (and then unlinks)
+        self.sizes: list[int] = []  # bytes of each file handed over
+        self.made: list[str] = []  # every path this capture created outside ``ready``
+
+    def _make(self, nbytes: int, pin: bool = False) -> _ShmFile:
+        """A file made outside ``ready`` (removed at :meth:`discard` unless handed over)."""
+        f = _ShmFile(nbytes, pin, self.device)
+        self.made.append(f.path)
+        return f
+
+    def prepare(self, nbytes: int) -> None:
+        self.ready.append(_SPARES.take(nbytes) or (nbytes, _SPARES.submit(_ShmFile, nbytes, self.pin, self.device)))
+
+    def take(self, nbytes: int, timings: dict | None = None) -> _ShmFile:
+        """The smallest prepared file of at least ``nbytes`` (waiting for that one only), else a spare
+        that fits, else a new one; it is handed over. ``timings`` gets how its preparation went
+        (benchmarks)."""
+        fits = [(size, i) for i, (size, _) in enumerate(self.ready) if size >= nbytes]
+        # else not prepared (the sampling statistics' tensors never are): a spare, else a new file
+        fut = self.ready.pop(min(fits)[1])[1] if fits else (_SPARES.take(nbytes) or (0, None))[1]
+        ready = fut is not None and fut.done()
+        t0 = time.perf_counter()
+        f = fut.result() if fut is not None else self._make(nbytes)
+        if timings is not None and fut is not None:  # blocked on a file still being prepared
+            timings["handover_wait"] = timings.get("handover_wait", 0.0) + time.perf_counter() - t0
+        self.handed.add(f.path)
+        self.sizes.append(nbytes)
+        if timings is not None:
+            for k, v in f.prep.items():
+                timings[f"file_{k}"] = timings.get(f"file_{k}", 0.0) + v
+            timings["files_ready"] = timings.get("files_ready", 0) + int(ready)
+            timings["files_spare"] = timings.get("files_spare", 0) + int(f.spare)
+        return f
+
+    def release(self, f: _ShmFile, keep: int) -> bool:
+        """After its copy: kept mapped for recycling (True: the client must not unlink it), else
+        unmapped and cut to ``keep`` bytes in the background."""
+        if _SPARES.keep(f):
+            return True
+        _SPARES.submit(f.release, keep)
+        return False
+
+    def discard(self) -> None:
+        """Keep files like the ones handed over ready for the next capture (:class:`_Spares`),
+        release the rest, and remove every file of this capture the client will not unlink,
+        whatever path led here (an error mid-hand-off included)."""
+        ready, self.ready = self.ready, []
+        if SPARE_BYTES > 0 and self.sizes:
+            _SPARES.refill(self.sizes, ready, lambda n: _spare(n, self.pin, self.device))
+        else:
+            for _, fut in ready:
+                _SPARES.submit(_discard_when_ready, fut)
+        for path in self.made:
+            if path not in self.handed:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+
+def _handover_mode() -> str:
+    mode = os.environ.get("NNVLLM_HANDOVER", "pin")
+    if mode not in ("stage", "pin", "plain"):
+        raise ValueError(f"NNVLLM_HANDOVER={mode!r}; expected 'stage', 'pin' or 'plain'")
+    return mode
+
+
+_STAGING: list = []  # two pinned buffers, reused across hand-offs
+
+
+def _d2h(host: torch.Tensor, v: torch.Tensor, mode: str, f: _ShmFile | None = None) -> None:
+    """Copy device tensor ``v`` into the shared-memory tensor ``host`` (same shape)."""
+    if not v.is_cuda:
+        host.copy_(v)
+        return
+    if mode == "pin" and f is not None and (f.registered or f.register(v.device)):
+        host.copy_(v, non_blocking=True)  # DMA straight into the page-locked file
+        torch.cuda.current_stream().synchronize()
+        return
+    if mode in ("stage", "pin"):
+        # Device -> pinned staging (DMA) -> shared memory (multi-threaded CPU copy), two buffers
+        # so the next chunk's DMA overlaps this chunk's CPU copy.
+        chunk = 64 << 20
+        if not _STAGING:
+            _STAGING.extend(torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+        src = v.contiguous().view(-1).view(torch.uint8)
+        dst = host.view(-1).view(torch.uint8)
+        events = [torch.cuda.Event(), torch.cuda.Event()]
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, min(8, os.cpu_count() or 1)))
+        try:
+            n = src.numel()
+            starts = list(range(0, n, chunk))
+            for i, a in enumerate(starts):
+                b = min(a + chunk, n)
+                k = i % 2
+                _STAGING[k][: b - a].copy_(src[a:b], non_blocking=True)
+                events[k].record()
+                if i > 0:
+                    pa = starts[i - 1]
+                    pb = min(pa + chunk, n)
+                    events[1 - k].synchronize()
+                    dst[pa:pb].copy_(_STAGING[1 - k][: pb - pa])
+            if starts:
+                k = (len(starts) - 1) % 2
+                a = starts[-1]
+                events[k].synchronize()
+                dst[a:].copy_(_STAGING[k][: n - a])
+        finally:
+            torch.set_num_threads(threads)
+        return
+    host.copy_(v)
+
+
+def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFiles | None" = None,
+              timings: dict[str, float] | None = None) -> dict:
+    """Move tensors to the client: directly in one process, else through files in shared memory.
+
+    Each tensor becomes one file in ``/dev/shm``, prepared during the generation (:class:`_ShmFiles`).
+    ``NNVLLM_HANDOVER`` picks how a GPU tensor gets there: ``pin`` (default: the file's pages are
+    page-locked while it is prepared, and the copy is one DMA into them), ``stage`` (DMA into a
+    pinned staging buffer, then a multi-threaded copy) or ``plain`` (a pageable copy). Measured on an
+    H200 (Llama-1B shape, 64 x 128, ~0.7 GB): hand-off 0.12 s with ``pin``, 0.21 s with ``stage``
+    (benchmarks/results/gpu/README.md).
+    """
+    if same_process:
+        return {"tensors": {k: v.to("cpu") for k, v in tensors.items()}}
+    import time
+
+    mode = _handover_mode()
+    files = {}
+    timings = {} if timings is None else timings
+    for name, v in tensors.items():
+        nbytes = v.numel() * v.element_size()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        f = shm.take(nbytes, timings) if shm is not None else _ShmFile(nbytes)
+        t1 = time.perf_counter()
+        # this thread's CPU time in it: far below handover_file means it waited (GIL, kernel locks)
+        timings["handover_file_cpu"] = timings.get("handover_file_cpu", 0.0) + time.thread_time() - c0
+        if nbytes:
+            _d2h(f.host(nbytes, v.dtype, v.shape), v, mode, f)
+        # where the hand-off's time goes (benchmarks): waiting for a prepared file, then the copy
+        timings["handover_file"] = timings.get("handover_file", 0.0) + t1 - t0
+        timings["handover_copy"] = timings.get("handover_copy", 0.0) + time.perf_counter() - t1
+        timings["handover_bytes"] = timings.get("handover_bytes", 0) + nbytes
+        kept = shm.release(f, nbytes) if shm is not None else f.release(nbytes)
+        files[name] = {"path": f.path, "dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+        if kept:
+            files[name]["kept"] = True  # recycled (see _Spares): the client returns it, never unlinks it
+    return {"files": files}
+
+
+# Client side: recycled hand-off files (see _Spares) whose tensors are all gone, to name in the next call.
+_RETURNED: set[str] = set()
+# path -> how many times this process has mapped it: only the finalizer of its latest mapping returns it
+_MAPPED: dict[str, int] = {}
+
+
+def returned_files() -> list[str]:
+    """The recycled hand-off files this process no longer uses (still present), for the next call's spec."""
+    paths = _RETURNED.copy()  # (one C call: a finalizer adding a path cannot interleave)
+    for p in [p for p in paths if not os.path.exists(p)]:  # its engine let it go, or ended
+        _RETURNED.discard(p)
+        _MAPPED.pop(p, None)
+        paths.discard(p)
+    return sorted(paths)
+
+
+def _return(path: str, mapping: int) -> None:
+    """Finalizer of a kept file's mapping: the file goes back unless it was handed over (and mapped) again."""
+    if _MAPPED.get(path) == mapping:
+        _RETURNED.add(path)
+
+
+def taken_back(paths) -> None:
+    """The engine took these files back (the hand-off's ``taken_back``)."""
+    _RETURNED.difference_update(paths or ())
+
+
+def _map_kept(path: str, nbytes: int) -> torch.Tensor:
+    """Map a recycled file; when the last tensor viewing it is freed, it is returned to the engine."""
+    import mmap
+    import weakref
+
+    with open(path, "r+b") as fh:
+        mm = mmap.mmap(fh.fileno(), nbytes)
+    arr = np.frombuffer(mm, dtype=np.uint8, count=nbytes)  # torch.from_numpy keeps arr while any view lives
+    # The file is in use again. A call that ended without its hand-off (a stream left early, an
+    # interrupt, an error) never heard which returned files the engine took back, so this path may
+    # still be listed as returned: named in the next call, the engine would hand it over a second
+    # time, over this mapping's values. And a finalizer of an older mapping of the same file, run
+    # late (a cycle), must not return it either.
+    mapping = _MAPPED[path] = _MAPPED.get(path, 0) + 1
+    _RETURNED.discard(path)
+    weakref.finalize(arr, _return, path, mapping)
+    return torch.from_numpy(arr)
+
+
+def open_handover(part: dict) -> dict[str, torch.Tensor]:
+    """The client side of :func:`_handover`: map the files (then unlink them, unless the engine keeps
+    them for recycling) or take the tensors."""
+    if "tensors" in part:
+        return part["tensors"]
+    out = {}
+    for name, f in part["files"].items():
+        dtype = getattr(torch, f["dtype"])
+        numel = int(np.prod(f["shape"])) if f["shape"] else 1
+        item = torch.empty((), dtype=dtype).element_size()
+        kept = bool(f.get("kept"))
+        try:
+            if numel and kept:
+                out[name] = _map_kept(f["path"], numel * item).view(dtype).view(f["shape"])
+            elif numel:
+                t = torch.from_file(f["path"], shared=True, size=numel * item, dtype=torch.uint8)
+                out[name] = t.view(dtype).view(f["shape"])
+            else:
+                out[name] = torch.empty(f["shape"], dtype=dtype)
+                if kept:
+                    _RETURNED.add(f["path"])
+        finally:
+            if not kept:
+                try:
+                    os.unlink(f["path"])  # the mapping keeps the memory until the tensor is freed
+                except FileNotFoundError:
+                    pass
+    return out
+
+
+def discard_handover(part: dict) -> None:
+    for f in part.get("files", {}).values():
+        if f.get("kept"):
+            _RETURNED.add(f["path"])
+            continue
+        try:
+            os.unlink(f["path"])
+        except FileNotFoundError:
+            pass
+
+

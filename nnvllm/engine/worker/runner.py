@@ -1,0 +1,193 @@
+"""The runner and worker mixins that vLLM's worker classes (:mod:`.gpu`, :mod:`.cpu`) are built from.
+
+:class:`RecordingRunner` installs the taps at model load and places each step's rows after the
+forward; :class:`CaptureWorker` is what the client reaches through ``collective_rpc``: arm a capture,
+collect it, hand it over. The client never imports this module; the client side of a capture is
+:func:`nnvllm.capture.generate`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .arena import _Capture
+from .handoff import _SPARES, sweep_stale, watch_server
+from .taps import _site_widths, _Taps
+
+class RecordingRunner:
+    """Model-runner mixin (first in the MRO): installs the taps at load, places rows each step.
+
+    Also keeps nnsight's tracing honest on an engine that replays CUDA graphs: any step that carries
+    an nnsight request (or runs under an installed ``model.edit``) runs eagerly, so every module
+    nnsight may read or edit runs in Python.
+    """
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        self.nnvllm_install()  # before vLLM records its CUDA graphs (capture_model comes later)
+        sweep_stale()
+        watch_server()
+
+    def nnvllm_install(self) -> None:
+        if getattr(self, "_nnvllm_taps", None) is not None:
+            return
+        from ...arch import arch_for
+
+        a = arch_for(self.model_config.architectures).in_engine(self.get_model())
+        arch = {"family": a.family, "blocks": a.blocks, "sites": dict(a.sites), "merged_gate_up": a.merged_gate_up}
+        cap = 0
+        if self.device.type == "cuda" and not self.model_config.enforce_eager:
+            sizes = getattr(self, "cudagraph_batch_sizes", None) or []
+            cap = max(sizes) if sizes else int(
+                getattr(self.compilation_config, "max_cudagraph_capture_size", 0) or 0)
+        taps = _Taps(self, arch, cap)
+        taps.widths = _site_widths(self.get_model(), arch, taps.tp)
+        if cap:
+            taps.allocate_static(taps.widths)
+        self._nnvllm_taps = taps
+        self._nnvllm_capture = None
+
+    def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        if self._nnvllm_wants_eager():
+            kwargs["force_eager"] = True
+        return super()._determine_batch_execution_and_padding(*args, **kwargs)
+
+    def _nnvllm_wants_eager(self) -> bool:
+        cap = getattr(self, "_nnvllm_capture", None)
+        if cap is not None and cap.need_eager:
+            return True
+        reqs = getattr(self, "nnsight_requests", None)
+        if reqs is None:
+            return False
+        if reqs.templates:
+            return True
+        return any(r.mediator is not None for r in reqs.requests.values())
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        taps = getattr(self, "_nnvllm_taps", None)
+        cap = getattr(self, "_nnvllm_capture", None)
+        if taps is not None:
+            taps.fired = {}
+            taps._prompt_rows = None
+        out = super().execute_model(scheduler_output, intermediate_tensors)
+        if cap is not None and out is None:
+            cap.step(self)
+        return out
+
+
+class CaptureWorker:
+    """Worker methods nnvllm's engine workers carry (reached by name through ``collective_rpc``).
+
+    By name, not as a function: a multiprocess engine serializes RPCs with msgspec, which refuses
+    functions. Results are small: the bytes of a capture travel through shared memory.
+    """
+
+    def init_device(self) -> None:
+        # vLLM starts torch.distributed here (also for one device): keep its store on loopback.
+        from ..compat import bind_stores_to_loopback
+
+        bind_stores_to_loopback()
+        super().init_device()
+
+    def nnvllm_arm(self, spec: dict) -> None:
+        runner = self.model_runner
+        runner.nnvllm_install()
+        cap = _Capture(runner._nnvllm_taps, spec)
+        cap.check_memory()
+        runner._nnvllm_taps.arm_edits(spec.get("edits") or [])
+        runner._nnvllm_taps.active = True
+        runner._nnvllm_capture = cap
+
+    def nnvllm_disarm(self) -> None:
+        runner = self.model_runner
+        taps = getattr(runner, "_nnvllm_taps", None)
+        if taps is not None:
+            taps.active = False
+            taps.disarm_edits()
+        cap = getattr(runner, "_nnvllm_capture", None)
+        runner._nnvllm_capture = None
+        if cap is not None and cap.shm is not None:
+            cap.shm.discard()
+
+    def nnvllm_spares(self, drop: bool = False) -> dict:
+        """This worker's pid, the hand-off files it keeps ready between captures and the handed-over
+        ones it keeps for recycling (:class:`_Spares`); ``drop=True`` removes them all (their shared
+        memory goes back now; a client's mapping of one stays valid). Reports after the background work
+        submitted so far (files being made, let go or released) is done."""
+        _SPARES.wait()
+        paths = []
+        for _, fut in _SPARES.files:
+            try:
+                paths.append(fut.result(timeout=30).path)
+            except Exception:  # noqa: BLE001
+                pass
+        kept = list(_SPARES.kept)
+        if drop:
+            _SPARES.drop()
+        return {"pid": os.getpid(), "files": paths, "kept": kept}
+
+    def nnvllm_peek(self) -> bytes | None:
+        """The armed capture's rows since the last peek (nv.stream) as ``torch.save`` bytes (an RPC
+        result crosses processes as msgpack, which does not keep tensors), or None when none is armed."""
+        cap = getattr(self.model_runner, "_nnvllm_capture", None)
+        if cap is None:
+            return None
+        import io
+
+        buf = io.BytesIO()
+        torch.save(cap.peek(), buf)
+        return buf.getvalue()
+
+    def nnvllm_collect(self, tokens: dict, client_pid: int | None = None) -> dict | None:
+        runner = self.model_runner
+        cap = getattr(runner, "_nnvllm_capture", None)
+        taps = getattr(runner, "_nnvllm_taps", None)
+        if taps is not None:
+            taps.active = False
+            taps.disarm_edits()
+        runner._nnvllm_capture = None
+        if cap is None:
+            return None
+        try:
+            return cap.collect(tokens, same_process=client_pid == os.getpid())
+        finally:
+            if cap.shm is not None:
+                cap.shm.discard()
+
+    def nnvllm_unembed(self, final_norm: str, unembed: str) -> bytes:
+        """Return this rank's final norm and its slice of the unembedding (original vocab rows only)."""
+        from ...arch import arch_for
+
+        model = self.model_runner.get_model()
+        try:
+            norm, head = model.get_submodule(final_norm), model.get_submodule(unembed)
+        except AttributeError:  # the client named transformers' paths; vLLM's tree moves them
+            a = arch_for(self.model_runner.model_config.architectures).in_engine(model)
+            norm, head = model.get_submodule(a.final_norm), model.get_submodule(a.unembed)
+        w = head.weight.detach()
+        idx = getattr(head, "shard_indices", None)
+        if idx is not None:  # VocabParallelEmbedding / ParallelLMHead: [org slice, padding, added]
+            w = w[: idx.num_org_elements]
+        bias = getattr(head, "bias", None)
+        eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon", 1e-6)
+        norm_weight = norm.weight.detach().float().cpu()
+        if type(norm).__name__.startswith("Gemma"):  # Gemma's RMSNorm scales by (1 + weight)
+            norm_weight = norm_weight + 1.0
+        # What vLLM's LogitsProcessor does after the unembedding (Gemma 2's final soft-cap, a scale).
+        proc = getattr(model, "logits_processor", None)
+        soft_cap = getattr(proc, "soft_cap", None)
+        scale = getattr(proc, "scale", 1.0)
+        import pickle
+
+        return pickle.dumps({
+            "kind": "layernorm" if getattr(norm, "bias", None) is not None else "rmsnorm",
+            "soft_cap": None if soft_cap is None else float(soft_cap),
+            "scale": float(scale if scale is not None else 1.0),
+            "norm_weight": norm_weight,
+            "norm_bias": None if getattr(norm, "bias", None) is None else norm.bias.detach().float().cpu(),
+            "eps": float(eps),
+            "weight": w.float().cpu(),
+            "bias": None if bias is None or idx is None else bias.detach()[: idx.num_org_elements].float().cpu(),
+        })

@@ -1,0 +1,265 @@
+"""The taps: permanent hooks that copy each site of each block into static buffers, and apply edits there.
+
+Taps are installed once, at model load, before vLLM records its CUDA graphs. A tap is a forward hook
+that copies one site of one block into a preallocated static buffer ``[layer, rows, width]`` (rows:
+vLLM's largest graph batch). While vLLM records a graph the copy is recorded with it, so every replay
+refills the buffer with no Python at all. In an eager step (prefill, a batch larger than any graph,
+the CPU backend) the hook runs and does the same copy. Edits land in place at the same hooks.
+
+Under tensor parallelism every rank runs the taps; the sites that are one rank's slice
+(``_SHARDED``) are all-gathered once per step (:mod:`.arena`), and rank 0 keeps the record.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+# Column-parallel outputs: each TP rank holds a slice of the width.
+_SHARDED = ("mlp_in", "mlp_act")
+# Static buffers for graph replay are kept under this many bytes per engine; sites that would not
+# fit are recorded by running the steps of a capture that asks for them eagerly.
+STATIC_BUDGET = int(os.environ.get("NNVLLM_STATIC_BUDGET", 2 << 30))
+
+
+class _Taps:
+    """The permanent hooks of one model and their static buffers (one per site: ``[layer, cap, width]``)."""
+
+    def __init__(self, runner: Any, arch: dict, cap: int) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        self.runner = runner
+        self.arch = arch
+        self.tp = get_tensor_model_parallel_world_size()
+        self.rank = get_tensor_model_parallel_rank()
+        self.active = False  # a capture is armed (eager hooks record only then)
+        self.fired: dict[str, torch.Tensor] = {}  # site -> the buffer eager hooks wrote this step
+        self.static: dict[str, torch.Tensor] = {}
+        self.eager: dict[str, torch.Tensor] = {}
+        model = runner.get_model()
+        blocks = model.get_submodule(arch["blocks"])
+        self.n_layers = len(blocks)
+        self.handles = []
+        # Widths are learnt from the first value a hook sees (sharded sites are a slice per rank).
+        self.width: dict[str, int] = {}
+        self.dtype = runner.model_config.dtype
+        self.device = runner.device
+        self.cap = cap
+        self.sites: list[str] = []
+        for site, (path, side) in arch["sites"].items():
+            for j in range(self.n_layers):
+                mod = blocks[j].get_submodule(path) if path else blocks[j]
+                if side == "output":
+                    self.handles.append(mod.register_forward_hook(self._output_hook(site, j)))
+                else:
+                    self.handles.append(mod.register_forward_pre_hook(self._input_hook(site, j)))
+            self.sites.append(site)
+        self.in_graph: set[str] = set()  # sites whose copy is recorded in the CUDA graphs
+        self.edits: list[dict] = []  # armed edits (see arm_edits); the hooks make them in eager steps
+        # [layer, width]: what every replayed CUDA graph adds to each block's residual stream (zero
+        # unless steering edits are armed): steering at graph speed (see replayable).
+        self.gadd: torch.Tensor | None = None
+        self._prompt_rows: tuple | None = None  # this forward's (position, is-prompt, is-generated) per row
+
+    # ---- edits (nv.generate(..., edits=[...]))
+    def replayable(self, edits: list[dict]) -> bool:
+        """Whether replayed CUDA graphs can make ``edits``: adding vectors to the residual stream at
+        generated positions (a replayed graph runs decode steps only, whose rows are all generated
+        positions). Anything else runs the edited generation's steps eagerly."""
+        return self.gadd is not None and all(
+            e["op"] == "add" and e["site"] == "resid" and e["positions"] in ("all", "generated")  # (a str)
+            and e.get("prompts") is None for e in edits)
+
+    def arm_edits(self, edits: list[dict]) -> None:
+        """Edits for the next generation (:func:`nnvllm.edits.to_spec`): ``{"site", "layers", "op":
+        add|set|scale|patch, "vector" (list) or None, "values" ([layer, pos, width] lists, patch) or
+        None, "value", "scale", "positions": all|prompt|generated}``. Eager steps make them in the
+        hooks; if :meth:`replayable`, their sum per layer also goes into :attr:`gadd` for replays."""
+        armed = []
+        for e in edits:
+            vec, vals = e.get("vector"), e.get("values")
+            pr, at = e.get("prompts"), e["positions"]
+            armed.append({**e, "layers": {j: k for k, j in enumerate(e["layers"])},
+                          "at": torch.tensor(at, dtype=torch.int64, device=self.device) if isinstance(at, list) else None,
+                          "prompts": None if pr is None else torch.tensor(pr, dtype=torch.int64, device=self.device),
+                          "vec": None if vec is None else torch.tensor(vec, dtype=torch.float32, device=self.device),
+                          "vals": None if vals is None else torch.tensor(vals, dtype=torch.float32, device=self.device)})
+        self.disarm_edits()
+        if armed and self.replayable(edits):
+            acc = torch.zeros(self.gadd.shape, dtype=torch.float32, device=self.device)
+            for e in armed:
+                for j in e["layers"]:
+                    acc[j] += e["vec"] * e["scale"]
+            self.gadd.copy_(acc)  # one edit per layer: the very values the hook adds, (vec * scale).to(dtype)
+        self.edits = armed
+
+    def disarm_edits(self) -> None:
+        self.edits = []
+        if self.gadd is not None:
+            self.gadd.zero_()
+
+    def _rows(self, n: int, device) -> tuple[torch.Tensor, ...]:
+        """This forward's position of each of its ``n`` rows, whether the row is a prompt or a
+        generated position, and its request's prompt index in the call (-1: untagged), computed once
+        per step. Rows vLLM padded get a position past every sequence and count as neither prompt
+        nor generated, so no edit touches them."""
+        if self._prompt_rows is None or self._prompt_rows[0].shape[0] != n:
+            r = self.runner
+            nreq = r.input_batch.num_reqs
+            qsl = r.query_start_loc.np[: nreq + 1]
+            real = int(qsl[-1])
+            ids = r.input_batch.req_ids[:nreq]
+            plen = np.array([_prompt_len(r.requests[i]) for i in ids], dtype=np.int64)
+            row_plen = torch.from_numpy(np.repeat(plen, np.diff(qsl))).to(device)
+            # the prompt index generate() tags each request with (transport.PROMPT_TAG), for per-prompt edits
+            tag = np.array([(r.requests[i].sampling_params.extra_args or {}).get("nnvllm_prompt", -1) for i in ids],
+                           dtype=np.int64)
+            which = torch.full((n,), -1, dtype=torch.int64, device=device)
+            which[:real] = torch.from_numpy(np.repeat(tag, np.diff(qsl))).to(device)
+            pos = torch.full((n,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=device)
+            pos[:real] = r.positions[:real].to(device)
+            prompt = torch.zeros(n, dtype=torch.bool, device=device)
+            prompt[:real] = pos[:real] < row_plen
+            generated = torch.zeros(n, dtype=torch.bool, device=device)
+            generated[:real] = ~prompt[:real]
+            self._prompt_rows = (pos, prompt, generated, which)
+        return self._prompt_rows
+
+    def _apply_edits(self, site: str, j: int, x: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+        """Edit ``x`` in place (and ``residual``: for a Llama-style block the stream is their sum)."""
+        for e in self.edits:
+            if e["site"] != site or j not in e["layers"]:
+                continue
+            pos, prompt, generated, which = self._rows(x.shape[0], x.device)
+            if e["at"] is not None:  # explicit token positions
+                m = torch.isin(pos, e["at"])
+            else:
+                m = {"all": None, "prompt": prompt, "generated": generated}[e["positions"]]
+            if e["prompts"] is not None:
+                mine = torch.isin(which, e["prompts"])
+                m = mine if m is None else (m & mine)
+            op, vec = e["op"], e["vec"]
+            if op == "patch":  # another run's value at each row's position, where it has one
+                src = e["vals"][e["layers"][j]]  # [P, width]
+                inside = pos < src.shape[0]
+                new = src[pos.clamp(max=src.shape[0] - 1)].to(x.dtype)
+                m = inside if m is None else (m & inside)
+            elif op == "add":
+                new = x + (vec * e["scale"]).to(x.dtype)
+            elif op == "set":
+                new = (vec.to(x.dtype).expand_as(x) if vec is not None else torch.full_like(x, float(e["value"])))
+            else:  # scale
+                new = ((x + residual) if residual is not None else x) * e["scale"]
+            if residual is not None and op != "add":  # the edited value is the whole stream
+                residual.copy_(torch.zeros_like(residual) if m is None else residual.masked_fill(m[:, None], 0))
+            x.copy_(new if m is None else torch.where(m[:, None], new, x))
+
+    # ---- the hooks
+    def _buf(self, site: str, n: int, like: torch.Tensor) -> torch.Tensor | None:
+        if site not in self.width:
+            self.width[site] = like.shape[-1]
+        if n <= self.cap and site in self.static:
+            return self.static[site]
+        buf = self.eager.get(site)
+        if buf is None or buf.shape[1] < n:
+            rows = max(n, 2 * (0 if buf is None else buf.shape[1]))
+            buf = self.eager[site] = torch.empty(self.n_layers, rows, like.shape[-1], dtype=like.dtype,
+                                                 device=like.device)
+        return buf
+
+    def _write(self, site: str, j: int, x: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not (capturing or self.active):
+            return
+        n = x.shape[0]
+        if capturing and site not in self.static:
+            return  # not recorded in graphs: a capture that wants it runs eagerly
+        buf = self._buf(site, n, x)
+        dst = buf[j, :n]
+        if residual is None:
+            dst.copy_(x)
+        else:
+            torch.add(x, residual, out=dst)
+        if not capturing:
+            self.fired[site] = buf
+
+    def _output_hook(self, site: str, j: int):
+        def hook(module, args, out):
+            if site == "resid" and self.gadd is not None:
+                h = out[0] if isinstance(out, tuple) else out
+                if h.is_cuda and torch.cuda.is_current_stream_capturing():
+                    h.add_(self.gadd[j])  # recorded into every graph (see arm_edits); eager steps skip it
+            if isinstance(out, tuple):
+                if site == "resid" and len(out) > 1 and isinstance(out[1], torch.Tensor):
+                    # Llama-style blocks return (hidden, residual): the residual stream is their sum.
+                    h, r = _tokens(out[0]), _tokens(out[1])
+                    if self.edits:
+                        self._apply_edits(site, j, h, r)
+                    self._write(site, j, h, r)
+                    return
+                out = out[0]
+            out = _tokens(out)
+            if self.edits:
+                self._apply_edits(site, j, out)
+            self._write(site, j, out)
+        return hook
+
+    def _input_hook(self, site: str, j: int):
+        def hook(module, args):
+            x = _tokens(args[0])
+            if self.edits:
+                self._apply_edits(site, j, x)
+            self._write(site, j, x)
+        return hook
+
+    def allocate_static(self, widths: dict[str, int]) -> None:
+        """Static buffers for graph replay, as many sites as fit in :data:`STATIC_BUDGET`."""
+        if self.cap <= 0:
+            return
+        item = torch.empty((), dtype=self.dtype).element_size()
+        used = 0
+        for site in self.sites:  # in table order: resid first
+            w = widths.get(site)
+            if w is None:
+                continue
+            size = self.n_layers * self.cap * w * item
+            if used + size > STATIC_BUDGET:
+                continue
+            self.static[site] = torch.zeros(self.n_layers, self.cap, w, dtype=self.dtype, device=self.device)
+            used += size
+            self.in_graph.add(site)
+        if "resid" in widths:
+            self.gadd = torch.zeros(self.n_layers, widths["resid"], dtype=self.dtype, device=self.device)
+
+
+def _tokens(x: torch.Tensor) -> torch.Tensor:
+    """``[tokens, width]``: vLLM's native blocks see the batch's tokens flattened; transformers' blocks
+    under vLLM's Transformers backend see ``[1, tokens, width]`` (a view, so in-place edits land)."""
+    return x[0] if x.dim() == 3 and x.shape[0] == 1 else x
+
+
+def _prompt_len(st: Any) -> int:
+    """A vLLM request state's prompt length."""
+    return len(st.prompt_token_ids) if st.prompt_token_ids is not None else int(st.num_prompt_tokens)
+
+
+def _site_widths(model: Any, arch: dict, tp: int) -> dict[str, int]:
+    """Per-rank widths of each site, from the module shapes (no forward needed)."""
+    blocks = model.get_submodule(arch["blocks"])
+    cfg = getattr(model, "config", None)
+    d = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    out = {}
+    for site, (path, side) in arch["sites"].items():
+        if site in ("resid", "attn", "mlp"):
+            out[site] = d
+            continue
+        mod = blocks[0].get_submodule(path)
+        # vLLM's parallel linear layers know their per-rank sizes (weights may be repacked).
+        attr = "output_size_per_partition" if side == "output" else "input_size_per_partition"
+        out[site] = getattr(mod, attr, None) or getattr(mod, "output_size" if side == "output" else "input_size", None)
+    return {k: v for k, v in out.items() if v}
+
+
