@@ -49,7 +49,7 @@ demo: setup
 # first: tests/conftest.py); the seed's tests under TP=2 (toy in-process, llama isolated:
 # tests/conftest.py seed_engine) in a process of their own; the docs build. The suite is CPU-bound on
 # the 2-core CI machine, so what counts is the CPU it uses: run as stages (TP=1, then the rest side by
-# side) the second stage kept only 1.66 of the 2 cores busy (session 13).
+# side), the second stage keeps only 1.66 of the 2 cores busy.
 JOBS ?= 2
 # Engines of several test processes share the 2 cores: OpenMP's threads sleep when they wait instead of
 # spinning (libgomp's default), which on an oversubscribed box burns the cores another engine needs.
@@ -64,12 +64,13 @@ test: setup browser
 	    --tp $(TP)" \
 	  "docs" "NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q"
 
-# The GPU lane (CUDA machine): engine suite, notebooks, and with GPU_TP=2 the tensor-parallel tests; logs
-# under $$OUT or benchmarks/results/gpu/. Uses python3 as is where it imports vllm and nnsight (the H200's
-# staged bundle), else builds .venv. See scripts/test_gpu.sh.
-GPU_TP ?= 1
+# The GPU lane (CUDA machine), by stages: setup (python3 where it imports vllm and nnsight, as on the
+# H200 with its staged bundle, else .venv), the test suite, the notebooks; GPU_STAGES="... tp" adds the
+# tensor-parallel tests (2 GPUs), "bench" the GPU benchmarks. Logs and results under $$OUT or
+# build/gpu_lane/. See scripts/gpu_lane.sh.
+GPU_STAGES ?= setup suite notebooks
 test-gpu:
-	bash scripts/test_gpu.sh --tp $(GPU_TP)
+	bash scripts/gpu_lane.sh $(GPU_STAGES)
 
 # Debian chromium + the playwright package, for the one real-browser test (skipped without them).
 browser: setup

@@ -14,20 +14,25 @@ blocks it names at every position the engine computes):
   all blocks saved per step under ``tracer.all()``.
 
 Prints medians of ``--repeats`` rounds (after one warm-up each; each round runs every vLLM case
-once, so background load hits them alike) and ratios to ``bare``; writes the
-table as JSON to ``--out`` when given. Absolute seconds only mean something on a GPU.
+once, so background load hits them alike) and ratios to ``bare``, and records them as the run
+``<prompts>x<tokens> L<layers> d<d-model>`` of ``benchmarks/results/capture_<machine>.json`` (or
+``--out``), with the command, commit, vLLM version and date (``benchmarks/provenance.py``).
+Absolute seconds only mean something on a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from provenance import provenance, record  # noqa: E402
 
 
 def _interleaved(cases: list, repeats: int) -> dict[str, float]:
@@ -52,8 +57,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true", help="leave out nnsight on transformers")
     ap.add_argument("--skip-invokes", action="store_true", help="leave out nnsight one-invoke-per-prompt (slow)")
-    ap.add_argument("--out", type=str, default=None)
+    ap.add_argument("--out", type=str, default=None,
+                    help="result file (default benchmarks/results/capture_<machine>.json)")
     args = ap.parse_args()
+    prov = provenance()
 
     import nnvllm as nv
     from nnvllm.testing import tiny_checkpoint
@@ -116,11 +123,10 @@ def main() -> None:
     print(f"{'case':36s} {'seconds':>9s} {'x bare':>8s}")
     for name, s in results.items():
         print(f"{name:36s} {s:9.3f} {s / base:8.2f}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "seconds": results,
-                                              "ratio_to_bare": {k: v / base for k, v in results.items()}},
-                                             indent=2))
+    name = f"{args.prompts}x{T} L{L} d{args.d_model}"
+    path = record("capture", name, {"args": vars(args), "seconds": results,
+                                    "ratio_to_bare": {k: v / base for k, v in results.items()}}, args.out, prov)
+    print(f"recorded as run {name!r} in {path}")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """Capture cost on a GPU, every case side by side in one command (each case in its own process).
 
-    python benchmarks/capture_gpu.py --shape llama1b --prompts 64 --tokens 128 --out results.json
-    python benchmarks/capture_gpu.py --shape gpt2s --prompts 64 --tokens 32 --out results.json
-    python benchmarks/capture_gpu.py --shape llama1b --big 1024 --tokens 128 --out results.json
-    python benchmarks/capture_gpu.py --all --out results/      # all three above, every case: one command
+    python benchmarks/capture_gpu.py --shape llama1b --prompts 64 --tokens 128
+    python benchmarks/capture_gpu.py --shape gpt2s --prompts 64 --tokens 32
+    python benchmarks/capture_gpu.py --shape llama1b --big 1024 --tokens 128
+    python benchmarks/capture_gpu.py --all      # all three above, every case: one command
 
-``--all`` runs the three workloads of issue 9 one after the other, every case of each (``ALL_CASES``),
-and writes ``llama1b.json``, ``gpt2s.json``, ``big.json`` and their merge ``all.json`` into the ``--out``
-folder as it goes. Its cases take about a minute each on an H200 (start-up included), so it runs past a
-ten-minute command limit: split it there with ``--cases`` as the lanes under benchmarks/results/gpu do.
+Each run is recorded in one file, ``benchmarks/results/capture_gpu_<machine>.json`` (or ``--out``),
+as the run ``--name`` (default: the shape, or ``big`` with ``--big``), beside the other workloads'
+runs, with its command, commit, vLLM version and date (``benchmarks/provenance.py``); it is written
+after every case, so a killed command keeps what finished. ``--all`` runs the three workloads one
+after the other, every case of each (``ALL_CASES``), as the runs ``llama1b``, ``gpt2s`` and ``big``
+of that one file. Its cases take about a minute each on an H200 (start-up included), so it runs past
+a ten-minute command limit: split it there with ``--cases`` and ``--name``, as
+``scripts/gpu_lane.sh bench`` does.
 
 Shapes (random fp16 weights, written once; a WordLevel tokenizer with the model's vocabulary):
 ``llama1b`` 16 layers, d=2048, 32/8 heads, d_mlp 8192, vocab 8192; ``gpt2s`` 12 layers, d=768, vocab
@@ -32,7 +36,7 @@ batch, then the median of ``--repeats``):
 - ``nv_fp32`` / ``nv_fp32_exact``: ``nv_graphs`` with the weights in fp32, without and with
   ``exact=True`` (the speed cost of full-precision fp32 attention).
 - ``<nv case>_handover_<mode>``: the same with ``NNVLLM_HANDOVER=<mode>`` (stage, pin, plain).
-- ``nv_steer`` / ``nv_steer_eager``: steering cost (issue 12): on the graph (or eager) in-process
+- ``nv_steer`` / ``nv_steer_eager``: steering cost: on the graph (or eager) in-process
   engine, ``nv.generate`` reading nothing but tokens and samples (``layers=None, logits=False``),
   without and with one steering edit (a vector added to the residual stream after the middle block,
   every position, every prompt), and the same two with every layer and the logits captured; plus
@@ -45,7 +49,6 @@ batch, then the median of ``--repeats``):
 bare generate of the same prompts on the same engine, and the notebook-process peak RSS; with
 ``--big-batches 64,128`` also the same collect at each ``batch_size``.
 
-Results are written to ``--out`` after every case (a killed command keeps what finished).
 """
 
 from __future__ import annotations
@@ -59,12 +62,15 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from provenance import provenance, record, result_path  # noqa: E402
+
 SHAPES = {
     "llama1b": dict(kind="llama", layers=16, d=2048, heads=32, kv=8, d_mlp=8192, vocab=8192),
     "gpt2s": dict(kind="gpt2", layers=12, d=768, heads=12, kv=12, d_mlp=3072, vocab=8192),
 }
 PROMPT_LEN = 16
-# --all: every case of issue 9's benchmark, per shape (vllm-lens reads the Llama shape only)
+# --all: every case, per shape (vllm-lens reads the Llama shape only)
 ALL_CASES = {
     "llama1b": "bare_graphs,bare_eager,nv_graphs,nv_eager,nv_isolated,nv_isolated_eager,vllm_lens,hf_nnsight,nnsight_taps",
     "gpt2s": "bare_graphs,bare_eager,nv_graphs,nv_eager,nv_isolated,nv_isolated_eager,hf_nnsight,nnsight_taps",
@@ -300,7 +306,8 @@ def main() -> None:
                     "(comma-separated), each timed against the same bare run")
     ap.add_argument("--root", default="/tmp/nnvllm-bench")
     ap.add_argument("--timeout", type=float, default=240)
-    ap.add_argument("--out", default=None, help="a JSON file; with --all, a folder")
+    ap.add_argument("--out", default=None, help="result file (default benchmarks/results/capture_gpu_<machine>.json)")
+    ap.add_argument("--name", default=None, help="the run's name in that file (default: the shape, or 'big' with --big)")
     ap.add_argument("--all", action="store_true", help="Llama-1B 64x128 and GPT-2-small 64x32, every case, "
                     "then 1,024x128 streamed to disk")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
@@ -315,22 +322,13 @@ def main() -> None:
         res = case(args.case, args.path, args.shape, args.prompts, args.tokens, args.repeats, extra)
         print("RESULT " + json.dumps(res), flush=True)
         return
+    prov = provenance()
+    name = args.name or ("big" if args.big else args.shape)
     path = build(args.shape, root)
     cases = ["big"] if args.big else [c for c in args.cases.split(",") if c]
     n = args.big or args.prompts
-    out = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "shape": args.shape,
-           "shape_args": SHAPES[args.shape], "prompts": n, "tokens": args.tokens, "prompt_len": PROMPT_LEN,
-           "repeats": args.repeats, "seconds": {}, "errors": {}}
-    try:
-        import torch
-
-        out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-        import nnsight
-        import vllm
-
-        out["versions"] = {"torch": torch.__version__, "vllm": vllm.__version__, "nnsight": nnsight.__version__}
-    except Exception as e:  # noqa: BLE001
-        out["versions"] = repr(e)
+    out = {"shape": args.shape, "shape_args": SHAPES[args.shape], "prompts": n, "tokens": args.tokens,
+           "prompt_len": PROMPT_LEN, "repeats": args.repeats, "cases": cases, "seconds": {}, "errors": {}}
     for c in cases:
         env = dict(os.environ)
         if c != "vllm_lens":
@@ -355,12 +353,10 @@ def main() -> None:
             out["errors"][c] = f"timed out after {args.timeout} s: " + str((e.stderr or b"")[-2000:])
         print(f"{c}: {time.perf_counter() - t:.1f} s wall; {out['seconds']}", flush=True)
         _ratios(out)
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(out, indent=2))
-    # graphs vs eager capture: the same numbers?
+        record("capture_gpu", name, out, args.out, prov)
+    # graphs vs eager capture: the same numbers? (only files this run wrote: --root outlives a run)
     a, b = root / "nv_graphs.pt", root / "nv_eager.pt"
-    if a.exists() and b.exists():
+    if {"nv_graphs", "nv_eager"} <= set(cases) and a.exists() and b.exists():
         import torch
 
         ga, gb = torch.load(a), torch.load(b)
@@ -371,26 +367,22 @@ def main() -> None:
         }
     _ratios(out)
     print(json.dumps({k: out[k] for k in ("seconds", "ratios") if k in out}, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"recorded as run {name!r} in {record('capture_gpu', name, out, args.out, prov)}")
 
 
 def run_all(args) -> None:
-    """``--all``: the three workloads, each one run of this script (its cases in their own processes)."""
-    folder = Path(args.out or "capture_gpu_all")
-    folder.mkdir(parents=True, exist_ok=True)
+    """``--all``: the three workloads, each one run of this script (its cases in their own processes),
+    each recorded in the same result file under its own name."""
+    out = str(result_path("capture_gpu", args.out))
     plan = [("llama1b", ["--shape", "llama1b", "--prompts", "64", "--tokens", "128", "--cases", ALL_CASES["llama1b"]]),
             ("gpt2s", ["--shape", "gpt2s", "--prompts", "64", "--tokens", "32", "--cases", ALL_CASES["gpt2s"]]),
             ("big", ["--shape", "llama1b", "--big", "1024", "--tokens", "128"])]
-    merged = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     for name, argv in plan:
         cmd = [sys.executable, __file__, *argv, "--repeats", str(args.repeats), "--root", args.root,
-               "--budget", args.budget, "--timeout", str(args.timeout), "--out", str(folder / f"{name}.json")]
+               "--budget", args.budget, "--timeout", str(args.timeout), "--name", name, "--out", out]
         print("==", name, " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd)
-        f = folder / f"{name}.json"
-        merged[name] = json.loads(f.read_text()) if f.is_file() else {"errors": {"all": "no result written"}}
-        (folder / "all.json").write_text(json.dumps(merged, indent=2))
+    print(f"recorded in {out}")
 
 
 def _ratios(out: dict) -> None:

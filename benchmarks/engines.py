@@ -1,6 +1,6 @@
 """In-process vs isolated engine, side by side: start time, per-call overhead, memory.
 
-    python benchmarks/engines.py [--model PATH] [--repeats 5] [--out results.json]
+    python benchmarks/engines.py [--model PATH] [--repeats 5] [--out FILE]
 
 Each engine kind runs in a fresh Python process (the same way a notebook kernel would meet it),
 one after the other, on the same model (the embedded toy model unless ``--model``):
@@ -16,7 +16,9 @@ one after the other, on the same model (the embedded toy model unless ``--model`
 - ``engine RSS``: resident memory of the engine's process tree while loaded (in-process: this process).
 - ``RSS after close``: this process and its children after ``close()``.
 
-Prints medians of ``--repeats`` calls and the ratio isolated / in-process.
+Prints medians of ``--repeats`` calls and the ratio isolated / in-process, and records them as the
+run named after the model (``toy`` by default) in ``benchmarks/results/engines_<machine>.json`` (or
+``--out``), with the command, commit, vLLM version and date (``benchmarks/provenance.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from provenance import provenance, record  # noqa: E402
 
 
 def _one(kind: str, model_path: str | None, repeats: int) -> dict:
@@ -83,7 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded toy model)")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=None, help="write the table as JSON here")
+    ap.add_argument("--out", default=None, help="result file (default benchmarks/results/engines_<machine>.json)")
     ap.add_argument("--kind", choices=["in-process", "isolated"], help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -92,6 +98,7 @@ def main() -> None:
         print("RESULT " + json.dumps(_one(args.kind, args.model, args.repeats)), flush=True)
         return
 
+    prov = provenance()
     res = {}
     for kind in ("in-process", "isolated"):
         cmd = [sys.executable, __file__, "--kind", kind, "--repeats", str(args.repeats)]
@@ -113,9 +120,9 @@ def main() -> None:
         unit = "" if "MiB" in key else " s"
         fmt = "{:>10.0f}" if "MiB" in key else "{:>10.3f}"
         print(f"{key:28s}{fmt.format(a)}{unit:2s}{fmt.format(b)}{unit:2s}{b / a:>7.2f}x")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
+    name = Path(args.model).name if args.model else "toy"
+    path = record("engines", name, {"repeats": args.repeats, **res}, args.out, prov)
+    print(f"recorded as run {name!r} in {path}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """fp32 on the GPU: where vLLM's gap to transformers comes from, layer by layer.
 
-    python benchmarks/fp32_gpu.py [--out fp32_gpu.json] [--variants a,b,...] [--jobs 4] [--timeout 150]
+    python benchmarks/fp32_gpu.py [--out FILE] [--variants a,b,...] [--jobs 4] [--timeout 150]
     python benchmarks/fp32_gpu.py --cpu-smoke          # here, no GPU: transformers CPU vs the CPU vLLM engine
 
 For the embedded toy GPT-2 and a tiny random Llama (``nnvllm.testing.tiny_checkpoint``), 3 prompts,
@@ -42,9 +42,10 @@ vLLM variants (vLLM 0.26; where each knob lives in its source is noted):
 
 vLLM generates freely (greedy); transformers replays hf_cpu's tokens. Positions are compared up to
 the first generated token where a run differs from hf_cpu (recorded as ``tokens_agree``).
-Writes one JSON (``--out``, default ``$OUT/fp32_gpu.json`` when ``$OUT`` is set, else
-``fp32_gpu.json``) with, per variant and model, per-layer max|Δ| vs hf_cpu and vs hf_gpu, and
-prints a table. Measured numbers belong in docs/discrepancies.md once a GPU run has produced them.
+Records, per variant and model, per-layer max|Δ| vs hf_cpu and vs hf_gpu as one run of
+``benchmarks/results/fp32_gpu_<machine>.json`` (or ``--out``; the run is named ``default`` for the
+default variants, else by the variants' names, ``cpu smoke`` with ``--cpu-smoke``), with the command,
+commit, vLLM version and date (``benchmarks/provenance.py``), and prints a table.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ import time
 from pathlib import Path
 
 from nnvllm.testing import TF32
+
+sys.path.insert(0, str(Path(__file__).parent))
+from provenance import provenance, record  # noqa: E402
 
 PROMPTS = ["The capital of France is", "The Eiffel Tower is in the city of", "Paris is the capital of"]
 MAX_TOKENS = 4
@@ -295,7 +299,7 @@ def _table(report: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=None, help="JSON path (default $OUT/fp32_gpu.json if $OUT is set)")
+    ap.add_argument("--out", default=None, help="result file (default benchmarks/results/fp32_gpu_<machine>.json)")
     ap.add_argument("--variants", default=None,
                     help=f"comma-separated, from {', '.join(VARIANTS)} (default: all but vllm_exact; "
                          "with --cpu-smoke: vllm_default)")
@@ -326,8 +330,8 @@ def main() -> None:
     bad = [v for v in names if v not in VARIANTS]
     if bad:
         sys.exit(f"fp32_gpu.py: unknown variants {bad}; choose from {list(VARIANTS)}")
-    out = Path(args.out) if args.out else Path(os.environ["OUT"]) / "fp32_gpu.json" if os.environ.get("OUT") \
-        else Path("fp32_gpu.json")
+    prov = provenance()
+    run_name = "cpu smoke" if args.cpu_smoke else "default" if args.variants is None else ",".join(names)
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="fp32_gpu_"))
     work.mkdir(parents=True, exist_ok=True)
 
@@ -355,7 +359,7 @@ def main() -> None:
     report = {
         "what": "max|Δ| per layer (block output = residual stream; attn and mlp outputs) and of logits, fp32, "
                 "vs transformers on CPU (hf_cpu) and on the GPU with TF32 off (hf_gpu)",
-        "meta": {**_versions(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "prompts": PROMPTS,
+        "meta": {**_versions(), "prompts": PROMPTS,
                  "max_tokens": MAX_TOKENS, "cpu_smoke": args.cpu_smoke, "timeout_s": args.timeout,
                  "jobs": jobs, "wall_s": None},
         "models": {m: {"path": p, "layers": int(refs[m]["hf_cpu"]["resid"][0].shape[0])} for m, p in models.items()},
@@ -382,10 +386,9 @@ def main() -> None:
                 r["diag"] = run.get("diag")
         report["variants"][name] = {"kind": "vllm", **res}
     report["meta"]["wall_s"] = round(time.monotonic() - t_all, 1)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    out = record("fp32_gpu", run_name, report, args.out, prov)
     print(_table(report))
-    print(f"\nwrote {out} ({report['meta']['wall_s']}s; logs in {work})")
+    print(f"\nrecorded as run {run_name!r} in {out} ({report['meta']['wall_s']}s; logs in {work})")
 
 
 if __name__ == "__main__":

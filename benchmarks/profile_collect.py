@@ -1,10 +1,11 @@
 """Where the time of a big ``nv.collect`` goes: cProfile of the notebook process, per-chunk wall times.
 
-    python benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 --budget 8GB --out DIR
+    python benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 --budget 8GB
 
-Writes ``DIR/profile_collect.json`` (wall times, per-shard timings) and ``DIR/profile_collect.txt``
-(the 40 costliest functions by cumulative and by own time; cProfile sees the main thread only, the
-shard writers run in threads). Shards are written while the next chunk generates, so a chunk's
+Records the wall times, the per-chunk timings and the 40 costliest functions by cumulative and by own
+time (``profile``, one line each; cProfile sees the main thread only, the shard writers run in
+threads) as the run ``<shape> <prompts>x<tokens>`` of ``benchmarks/results/profile_collect_<machine>.json``
+(or ``--out``), with the command, commit, vLLM version and date (``benchmarks/provenance.py``). Shards are written while the next chunk generates, so a chunk's
 ``generate`` and ``write_shard`` overlap. On a GPU this also needs the engine's
 side: the worker timings of each chunk are in ``nnvllm.capture._LAST_TIMINGS`` after each generate.
 """
@@ -23,18 +24,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from capture_gpu import build, prompts  # noqa: E402
+from provenance import provenance, record  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama1b")
     ap.add_argument("--prompts", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--budget", default="8GB")
     ap.add_argument("--root", default="/tmp/nnvllm-prof")
     ap.add_argument("--logits", default="chosen")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", default=None, help="result file (default benchmarks/results/profile_collect_<machine>.json)")
     args = ap.parse_args()
+    prov = provenance()
     import torch
 
     import nnvllm as nv
@@ -43,8 +46,6 @@ def main() -> None:
 
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     path = build(args.shape, root)
     ps = prompts(args.prompts)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,11 +87,12 @@ def main() -> None:
     st = pstats.Stats(prof, stream=s)
     st.sort_stats("cumulative").print_stats(40)
     st.sort_stats("tottime").print_stats(40)
-    (out / "profile_collect.txt").write_text(s.getvalue())
-    res = {"command": " ".join(sys.argv), "bare": bare, "collect": dt, "ratio": dt / bare, "chunks": chunks,
-           "bytes": sum(f.stat().st_size for f in d.iterdir())}
-    (out / "profile_collect.json").write_text(json.dumps(res, indent=1))
-    print(json.dumps({k: v for k, v in res.items() if k != "chunks"}), flush=True)
+    res = {"args": vars(args), "bare": bare, "collect": dt, "ratio": dt / bare, "chunks": chunks,
+           "bytes": sum(f.stat().st_size for f in d.iterdir()), "profile": s.getvalue().splitlines()}
+    name = f"{args.shape} {args.prompts}x{args.tokens}"
+    path = record("profile_collect", name, res, args.out, prov)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("chunks", "profile")}), flush=True)
+    print(f"recorded as run {name!r} in {path}")
     shutil.rmtree(d, ignore_errors=True)
     model.close()
 

@@ -7,8 +7,8 @@ Runs the command with this file loaded into every pytest process as a plugin (``
 samples ``/proc`` twice a second and counts each process's new CPU time (user + system) to the test of
 its nearest pytest ancestor: an engine's server, its EngineCore and workers, a notebook's kernel,
 chromium. ``time make test`` cannot see this: it counts only the children that were waited for,
-and an isolated engine's processes end in a process group of their own (session 13: ``time`` said
-21 min of CPU where the sampler counted 27). Prints the CPU by test file, by test and by kind of
+and an isolated engine's processes end in a process group of their own (for one ``make test``,
+``time`` said 21 min of CPU where this sampler counted 27). Prints the CPU by test file, by test and by kind of
 process, and the lowest MemAvailable seen; writes all of it to the JSON file. Linux only.
 """
 
@@ -48,7 +48,7 @@ except ImportError:  # the sampler side needs no pytest
 # ------------------------------------------------------------------ the sampler
 
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-KINDS = ("chromium", "ipykernel", "jupyterlab", "mkdocs", "nnvllm.server", "spawn_main", "pytest", "-c ")
+KINDS = ("chromium", "ipykernel", "jupyterlab", "mkdocs", "nnvllm.engine.server", "spawn_main", "pytest", "-c ")
 
 
 def _kind(cmd: str) -> str:

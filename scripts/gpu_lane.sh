@@ -1,0 +1,265 @@
+#!/usr/bin/env bash
+# The GPU lane: what runs on a CUDA machine and not in `make test`.
+#
+#   bash scripts/gpu_lane.sh [STAGE ...]        (default: setup suite notebooks; make test-gpu)
+#
+# Stages, run in the order given; each goes on after another fails, and the script exits 1 at the
+# end if any failed:
+#   setup      make the interpreter ready. On the lent H200 (no network; see ../shared/gpu/README.md):
+#              install each part of the staged bundle carried under .gpu/ (GPU_PARTS=N, the part
+#              count bundle.sh printed: `GPU_PARTS=25 bash scripts/gpu_lane.sh setup`, one part per
+#              command, carry [".gpu/K", ".gpu/setup.sh", ".gpu/sha256"]); the last part writes
+#              /root/nnvllm-gpu.env, which every stage sources. Elsewhere: `make setup` where python3
+#              cannot import vllm and nnsight.
+#   suite      the test suite at TP=1: pytest with WORKERS xdist workers (default 8) on one GPU, each
+#              test engine with a fixed 1 GiB KV cache, so that many share the GPU
+#   notebooks  the notebooks under nbmake (NB_WORKERS, default 3; needs nbmake, ipykernel, ipywidgets)
+#   bench      the GPU benchmarks in BENCH (default "llama1b gpt2s big"), each in its own process with
+#              BENCH_TIMEOUT seconds (default 540), alone on the GPU; results in NNVLLM_RESULTS
+#              (default $OUT), in the shape of benchmarks/results/ (benchmarks/provenance.py): copy
+#              them back there. Items:
+#                llama1b             capture_gpu.py, Llama-1B shape 64 x 128, bare vLLM / in-process / isolated
+#                gpt2s               capture_gpu.py, GPT-2-small shape 64 x 32, the same cases, 15 calls each
+#                big                 capture_gpu.py, 1,024 x 128 streamed to disk with nv.collect (8 GB budget)
+#                llama1b_every_case  capture_gpu.py, Llama-1B shape, every case (vllm-lens, nnsight, eager...;
+#                                    vllm-lens==1.2.1 in the bundle: bundle.sh .gpu vllm-lens==1.2.1 ...)
+#                gpt2s_every_case    capture_gpu.py, GPT-2-small shape, every case
+#                steer               capture_gpu.py, steering cost on the graph and the eager engine
+#                fp32                fp32_gpu.py, where fp32 vLLM differs from transformers, layer by layer
+#                profile             profile_collect.py, where a 1,024 x 128 collect spends its time
+#                engines             engines.py, in-process against isolated on the toy model
+#   tp         the tests that take --tp, at TP (default 2) on TP GPUs (nvidia-h200-x2): test_vllm,
+#              test_edits, test_stream (the llama engine there is isolated, so both transports run)
+#
+# Environment:
+#   OUT            where logs and results go (default build/gpu_lane). On the lent machine $OUT comes
+#                  back (at most 8 files): when more than 8 are there at the end, the logs are packed
+#                  into logs.tar.gz.
+#   TESTS          what the suite runs (default tests/); SPLIT=k/N runs the k-th of N shares of it,
+#                  dealt by file size (scripts/split_tests.py), for a suite longer than one command
+#   NOTEBOOKS      what the notebooks stage runs (default notebooks/)
+#   STAGE_TIMEOUT  seconds per test stage (default: none); PYTEST_ARGS: more pytest arguments
+#   PYTHON         the interpreter (default python3)
+#
+# On the lent H200, after setup, the suite takes two commands of its 10 minutes, and the notebooks can
+# run beside one half (two lanes side by side, each with its own OUT):
+#   SPLIT=1/2 OUT=$OUT/a bash scripts/gpu_lane.sh suite & OUT=$OUT/b bash scripts/gpu_lane.sh notebooks & wait
+#   SPLIT=2/2 bash scripts/gpu_lane.sh suite
+#   bash scripts/gpu_lane.sh bench
+# Each stage writes OUT/logs/<stage>.txt (its log, headed by the date, commit, GPUs and versions),
+# OUT/summary.txt and OUT/gpu_tests_<machine>.json (each test stage's counts, as a run of that name).
+set -u
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+STAGES=("$@")
+[ ${#STAGES[@]} -gt 0 ] || STAGES=(setup suite notebooks)
+for s in "${STAGES[@]}"; do
+  case "$s" in
+    setup|suite|notebooks|bench|tp) ;;
+    -h|--help) sed -n '2,50p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "gpu_lane.sh: unknown stage '$s' (expected setup, suite, notebooks, bench or tp)" >&2; exit 2 ;;
+  esac
+done
+
+OUT_DIR="${OUT:-build/gpu_lane}"
+mkdir -p "$OUT_DIR/logs"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+LOGS="$OUT_DIR/logs"
+export NNVLLM_RESULTS="${NNVLLM_RESULTS:-$OUT_DIR}"
+# A vLLM general plugin (vllm-lens is one) loads into every vLLM process and nnsight's engine then
+# fails to start; the one benchmark case that wants vllm-lens sets it back itself.
+export VLLM_PLUGINS="" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+
+env_file=/root/nnvllm-gpu.env
+use_env() { [ -f "$env_file" ] && source "$env_file"; return 0; }
+use_env
+
+declare -a names rcs secs
+failed=0
+note() {  # name, exit status, seconds
+  names+=("$1"); rcs+=("$2"); secs+=("$3")
+  [ "$2" -eq 0 ] || failed=1
+}
+
+setup() {
+  if [ -f .gpu/setup.sh ] && [ -n "${GPU_PARTS:-}" ]; then
+    local k n="$GPU_PARTS"
+    for k in $(ls .gpu | grep -E '^[0-9]+$' | sort -n); do bash .gpu/setup.sh "$k" "$n" || return 1; done
+    use_env
+  elif ! "$PY" -c "import vllm, nnsight" >/dev/null 2>&1; then
+    make setup || return 1
+  fi
+  [ -x .venv/bin/python ] && ! "$PY" -c "import vllm, nnsight" >/dev/null 2>&1 && PY=.venv/bin/python
+  "$PY" -c "import vllm, nnsight" >/dev/null 2>&1 || { echo "setup: vllm and nnsight not importable yet (more parts to come?)"; return 0; }
+  "$PY" -c "import torch, vllm, nnsight; print('ready: torch', torch.__version__, '| vllm', vllm.__version__, '| nnsight', nnsight.__version__)"
+}
+
+ready() {  # the interpreter the test and bench stages need
+  "$PY" -c "import vllm, nnsight" >/dev/null 2>&1 && return 0
+  if [ -x .venv/bin/python ] && .venv/bin/python -c "import vllm, nnsight" >/dev/null 2>&1; then PY=.venv/bin/python; return 0; fi
+  echo "gpu_lane.sh: $PY cannot import vllm and nnsight; run the setup stage first" >&2
+  return 1
+}
+
+header() {  # what every log starts with: the date, the code, the GPUs, the versions
+  local rev code
+  rev=$(git rev-parse --short HEAD 2>/dev/null || echo "no git")
+  git status --porcelain --untracked-files=no 2>/dev/null | grep -q . && rev="$rev +local changes"
+  # A copy of a working tree can carry a stale HEAD: name the code by a hash of its sources too
+  # (benchmarks/provenance.py code_hash: compare with the machine that sent it).
+  code=$("$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); import provenance; print(provenance.code_hash())" 2>/dev/null)
+  echo "# date $(date -u '+%Y-%m-%dT%H:%M:%SZ') | commit ${NNVLLM_COMMIT:-$rev} | code $code"
+  echo "# GPUs: $( (nvidia-smi -L 2>/dev/null || echo none) | tr '\n' ';')"
+  echo "# versions: $("$PY" -c "
+import sys; sys.path.insert(0, 'benchmarks'); import provenance as p
+print(' | '.join([f'vllm {p.vllm_version()}'] + [f'{d} {p._version(d)}' for d in
+                 ('torch', 'nnsight', 'transformers', 'nbmake', 'ipywidgets')]))" 2>/dev/null)"
+}
+
+run_logged() {  # name, then the command; its log is LOGS/<name>.txt
+  local name="$1" log="$LOGS/$1.txt" t0 rc; shift
+  { header; echo "# command: $*"; } > "$log"
+  t0=$(date +%s)
+  if [ -n "${STAGE_TIMEOUT:-}" ]; then
+    timeout -k 30 "$STAGE_TIMEOUT" "$@" >> "$log" 2>&1; rc=$?
+  else
+    "$@" >> "$log" 2>&1; rc=$?
+  fi
+  echo "# exit $rc after $(( $(date +%s) - t0 ))s" >> "$log"
+  tail -n 3 "$log"
+  note "$name" "$rc" "$(( $(date +%s) - t0 ))"
+  return "$rc"
+}
+
+# Test engines hold a fixed 1 GiB KV cache each, so that the workers' engines share one GPU, and
+# vLLM's start check then needs only a tenth of it free.
+TEST_ENV=(env "NNVLLM_GPU_MEMORY_UTILIZATION=${NNVLLM_GPU_MEMORY_UTILIZATION:-0.1}"
+          "NNVLLM_KV_CACHE_MEMORY_BYTES=${NNVLLM_KV_CACHE_MEMORY_BYTES:-1073741824}")
+
+xdist() {  # workers variable, its default, more xdist arguments: "-v -n K ..." where xdist imports and K > 0
+  local k="${!1:-$2}"; shift 2
+  # -v names each test as it ends: a stage killed at its limit still says what ran.
+  "$PY" -c "import xdist" >/dev/null 2>&1 && [ "$k" -gt 0 ] && echo "-v -n $k $*"
+  return 0
+}
+
+suite() {
+  local tests="${TESTS:-tests/}"
+  if [ -n "${SPLIT:-}" ]; then
+    local k="${SPLIT%/*}" n="${SPLIT#*/}"
+    tests=$("$PY" scripts/split_tests.py "$n" $tests | sed -n "${k}p")
+    [ -n "$tests" ] || { echo "suite: SPLIT=$SPLIT selects no files" >&2; note suite 2 0; return; }
+  fi
+  run_logged suite "${TEST_ENV[@]}" NNVLLM_FIDELITY_JSON="$LOGS/fidelity_suite.json" \
+    "$PY" -m pytest -q -ra $(xdist WORKERS 8 --dist loadfile) ${PYTEST_ARGS:-} $tests --tp 1
+}
+
+notebooks() {
+  run_logged notebooks "${TEST_ENV[@]}" "$PY" -m pytest -q -ra $(xdist NB_WORKERS 3) ${PYTEST_ARGS:-} \
+    --nbmake ${NOTEBOOKS:-notebooks/}
+}
+
+tp() {
+  local n gpus
+  n="${TP:-2}"
+  gpus=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  if [ "$gpus" -lt "$n" ]; then
+    { echo "tp: TP=$n needs $n GPUs, $gpus here (nvidia-h200-x2 for TP=2)"; echo "# exit 2 after 0s"; } | tee "$LOGS/tp.txt"
+    note tp 2 0; return
+  fi
+  run_logged tp "${TEST_ENV[@]}" NNVLLM_FIDELITY_JSON="$LOGS/fidelity_tp.json" "$PY" -m pytest -q -ra ${PYTEST_ARGS:-} \
+    tests/test_vllm.py tests/test_edits.py tests/test_stream.py --tp "$n"
+}
+
+bench_item() {  # name, then the command: alone on the GPU, with the engines' own memory settings
+  local name="$1"; shift
+  STAGE_TIMEOUT="${BENCH_TIMEOUT:-540}" run_logged "bench_$name" \
+    env -u NNVLLM_GPU_MEMORY_UTILIZATION -u NNVLLM_KV_CACHE_MEMORY_BYTES "$@"
+}
+
+bench() {
+  # capture_gpu.py keeps vLLM's plugins out of every case but vllm_lens itself; the other scripts
+  # start nnsight's engine in their own process, where a plugin must stay out (VLLM_PLUGINS="").
+  local c="env -u VLLM_PLUGINS $PY benchmarks/capture_gpu.py" root=/tmp/nnvllm-bench item
+  for item in ${BENCH:-llama1b gpt2s big}; do
+    case "$item" in
+      llama1b) bench_item "$item" $c --name llama1b --shape llama1b --prompts 64 --tokens 128 --repeats 5 \
+                 --timeout 170 --root $root --cases bare_graphs,nv_graphs,nv_isolated ;;
+      gpt2s) bench_item "$item" $c --name gpt2s --shape gpt2s --prompts 64 --tokens 32 --repeats 15 \
+               --timeout 170 --root $root --cases bare_graphs,nv_graphs,nv_isolated ;;
+      big) bench_item "$item" $c --name big --shape llama1b --big 1024 --tokens 128 --budget 8GB \
+             --big-batches 256 --timeout 400 --root $root ;;
+      llama1b_every_case|gpt2s_every_case)
+        local shape="${item%_every_case}" cases
+        cases=$("$PY" -c "import sys; sys.path.insert(0, 'benchmarks'); from capture_gpu import ALL_CASES; print(ALL_CASES['$shape'])")
+        if [ "$shape" = llama1b ]; then set -- --prompts 64 --tokens 128; else set -- --prompts 64 --tokens 32; fi
+        bench_item "$item" $c --name "$item" --shape "$shape" "$@" --timeout 150 --root $root --cases "$cases" ;;
+      steer) bench_item "$item" $c --name llama1b_steer --shape llama1b --prompts 64 --tokens 128 \
+               --timeout 200 --root $root --cases nv_steer,nv_steer_eager ;;
+      fp32) bench_item "$item" "$PY" benchmarks/fp32_gpu.py --jobs 4 --timeout 200 ;;
+      profile) bench_item "$item" "$PY" benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 \
+                 --budget 8GB --root $root ;;
+      engines) bench_item "$item" "$PY" benchmarks/engines.py --repeats 7 ;;
+      *) echo "bench: unknown item '$item'" >&2; note "bench_$item" 2 0 ;;
+    esac
+  done
+}
+
+summary() {
+  local i
+  {
+    header
+    for i in "${!names[@]}"; do
+      printf '%-24s %s  %5ss\n' "${names[$i]}" "$([ "${rcs[$i]}" -eq 0 ] && echo pass || echo "FAIL(exit ${rcs[$i]})")" "${secs[$i]}"
+    done
+  } | tee "$OUT_DIR/summary.txt"
+  # Each test stage's counts, from pytest's last line, as a run of gpu_tests_<machine>.json.
+  "$PY" - "$LOGS" "${tested[@]}" <<'EOF' || true
+import re, sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from provenance import provenance, record
+logs = Path(sys.argv[1])
+for stage in sys.argv[2:]:
+    log = logs / f"{stage}.txt"
+    if not log.is_file():
+        continue
+    text = log.read_text(errors="replace")
+    command = re.search(r"^# command: (.*)$", text, re.M)
+    end = re.findall(r"^# exit (\d+) after (\d+)s$", text, re.M)
+    counts = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+    run = {"exit": int(end[-1][0]) if end else None, "seconds": int(end[-1][1]) if end else None}
+    run.update({w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)",
+                                                    counts[-1] if counts else "")})
+    run["failures"] = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)
+    date = re.search(r"^# date (\S+)", text, re.M)
+    prov = {**provenance(), "command": command.group(1) if command else f"bash scripts/gpu_lane.sh {stage}"}
+    if date:
+        prov["date"] = date.group(1)
+    record("gpu_tests", stage, run, prov=prov)
+EOF
+}
+
+pack() {  # $OUT returns at most 8 files from the lent machine
+  local n
+  n=$(find "$OUT_DIR" -type f | wc -l)
+  if [ -n "${OUT:-}" ] && [ "$n" -gt 8 ]; then
+    tar -C "$OUT_DIR" -czf "$OUT_DIR/logs.tar.gz" logs && rm -rf "$LOGS"
+    echo "packed the logs into $OUT_DIR/logs.tar.gz ($n files were there)"
+  fi
+}
+
+tested=()  # the test stages this run ran: their counts go into gpu_tests_<machine>.json
+for s in "${STAGES[@]}"; do
+  echo "== $s"
+  case "$s" in
+    setup) t0=$(date +%s); setup; note setup $? $(( $(date +%s) - t0 )) ;;
+    *) if ready; then "$s"; else note "$s" 2 0; fi
+       case "$s" in suite|notebooks|tp) tested+=("$s") ;; esac ;;
+  esac
+done
+summary
+pack
+exit "$failed"
