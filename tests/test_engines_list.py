@@ -1,4 +1,4 @@
-"""An engine the notebook lost track of can still be closed from nv.engines() (issue 14, item 3)."""
+"""nv.engines() lists every live engine; one the notebook lost track of can still be closed from it."""
 
 from __future__ import annotations
 
@@ -23,20 +23,29 @@ def test_an_engine_listed_by_engines_can_be_closed_from_the_list(toy_path):
     assert not [e for e in nv.engines() if e.kind == "in-process"]
 
 
-def test_a_second_in_process_engine_is_refused_and_the_first_keeps_working(toy_path, tiny_paths):
-    # Issue 14, item 2: a second in-process engine started, then closing either broke the other
-    # (vLLM's distributed state is per process). Now the second load says what to do instead.
+def test_reloading_hands_back_the_same_engine_or_closes_the_old_one(toy_path, tiny_paths, capsys):
+    """Re-running a notebook's load cell: the same model and arguments give the running engine back;
+    another model closes the old engine first (vLLM's distributed state is per process, so two
+    in-process engines would break each other), and the old object says it was closed."""
     m1 = nv.load(toy_path, isolate=False, **engine_kwargs(1))
     try:
         before = nv.generate(m1, "The capital of France is", max_tokens=3)
-        with pytest.raises(RuntimeError, match=r"already runs an in-process engine.*isolate=True"):
-            nv.load(tiny_paths["llama"], isolate=False, **engine_kwargs(1))
+        capsys.readouterr()
+        again = nv.load(toy_path, isolate=False, **engine_kwargs(1))
+        assert again is m1
+        assert "already loaded" in capsys.readouterr().out
         after = nv.generate(m1, "The capital of France is", max_tokens=3)
         assert after.tokens == before.tokens and torch.equal(after.resid[0], before.resid[0])
+        with nv.load(tiny_paths["llama"], isolate=False, **engine_kwargs(1)) as m2:
+            out = capsys.readouterr().out
+            assert "closing the in-process engine" in out, out
+            assert m1.vllm_entrypoint is None
+            with pytest.raises(RuntimeError, match="closed"):
+                nv.generate(m1, "The capital of France is", max_tokens=1)
+            assert nv.generate(m2, "The capital of France is", max_tokens=2).tokens[0]
+            assert [e.model for e in nv.engines() if e.kind == "in-process"] == [m2.checkpoint]
     finally:
         m1.close()
-    with nv.load(tiny_paths["llama"], isolate=False, **engine_kwargs(1)) as m2:  # after close(): fine
-        assert nv.generate(m2, "The capital of France is", max_tokens=2).tokens[0]
 
 
 def test_a_start_and_a_close_walk_the_whole_heap_once_each(toy_path):
@@ -194,3 +203,30 @@ def test_an_engine_start_collects_only_what_it_made(monkeypatch):
     finally:
         gc.callbacks.remove(count)
     assert gc.get_freeze_count() == before  # the failed start unfroze what it froze
+
+
+def test_a_load_prints_one_line_and_the_engine_log_keeps_the_rest(toy_path):
+    """In a fresh process (as a notebook kernel): vLLM's warnings, torch's C++ NUMA note and the weight
+    loading bar stay off the page, the load says one line, ``model.log()`` has what vLLM said, and the
+    user's own tracebacks carry no ``[rank0]:`` prefix (torch.distributed wraps sys.excepthook)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, nnvllm as nv\n"
+        f"m = nv.load({toy_path!r}, isolate=False)\n"
+        "print('LOG', 'LD_PRELOAD' in m.log(None) or 'WARNING' in m.log(None))\n"
+        "print('HOOK', sys.excepthook is sys.__excepthook__)\n"
+        "m.close()\n"
+        "raise ValueError('the user error')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("NNVLLM_VERBOSE", "VLLM_CONFIGURE_LOGGING")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
+    loaded = [ln for ln in lines if ln.startswith("nnvllm: ")]
+    assert len(loaded) == 1 and "in-process CPU engine" in loaded[0], lines
+    assert "LOG True" in lines and "HOOK True" in lines, lines
+    tb = out.stderr.splitlines()
+    assert tb[-1] == "ValueError: the user error" and not [ln for ln in tb if "[rank" in ln], out.stderr
+    # Nothing else: the one line, the two answers, and the user's own traceback.
+    assert len(lines) == 3 + len([ln for ln in tb if ln.strip()]), lines

@@ -26,6 +26,7 @@ from typing import Any
 from .. import _validate
 from ..arch import arch_for
 from . import compat as _compat
+from . import logs
 from .models import (_CLASSES, _is_hub_id, _needs_weight_files, _preflight, _resolve, cpu_defaults, default_cuda_graphs,
                      fit_gpu_memory, has_cuda, model_classes)
 from .procs import tree_rss
@@ -186,8 +187,12 @@ def load(
             arch = arch_for(cfg.get("architectures"), where=repr(path))
             return _client_class(), path, arch
 
-        m = isolated.attach(cls_for, url, token, None if model is None else str(model))
+        logs.route_vllm_logs()
+        before = len(logs.ENGINE_LOG.lines)
+        with logs.captured_warnings(), logs.keep_excepthook():
+            m = isolated.attach(cls_for, url, token, None if model is None else str(model))
         _track(m)
+        _announce(m, before)
         return m
     if token is not None:
         raise ValueError("token= goes with url= (an engine started elsewhere); an engine nnvllm starts "
@@ -198,23 +203,32 @@ def load(
         raise TypeError(f"isolate={isolate!r}; expected True, False or None (the platform default)")
     # Every check that needs no engine runs here, before one starts (seconds to minutes of work).
     engine_args = _validate.engine_args(engine_args)
-    quiet_engine_logs()
     if engine_args.get("exact"):
         dt = engine_args.get("dtype", "float32")
         if str(dt).removeprefix("torch.") not in ("float32", "float"):
             raise ValueError(f"exact=True is fp32 matching transformers; it cannot go with dtype={dt!r}. "
                              "Drop dtype= (exact implies float32) or drop exact=True.")
         engine_args = {**engine_args, "dtype": "float32"}
+    if not _is_hub_id(model):  # a context or KV cache the local config shows cannot work
+        _validate.engine_fits(engine_args, _resolve(model)[1])
     if has_cuda():
         engine_args = fit_gpu_memory(engine_args)
         if "cuda_graphs" not in engine_args:
             engine_args = {**engine_args, "cuda_graphs": default_cuda_graphs()}
     weights = _needs_weight_files(engine_args)
+    logs.route_vllm_logs()
+    before = len(logs.ENGINE_LOG.lines)
     if not isolate:
         if not _is_hub_id(model):  # a local folder: its config and weights (_build_engine reads it again)
             _preflight(model, weights)
-        m = _build_engine(model, **engine_args)
+        same = _replace_in_process_engine(model, engine_args)
+        if same is not None:
+            return same
+        with logs.captured_warnings(), logs.keep_excepthook():
+            m = _build_engine(model, **engine_args)
+        m._nnvllm_load_args = (m.checkpoint, engine_args)
         _track(m)
+        _announce(m, before)
         return m
     from . import isolated
 
@@ -222,24 +236,54 @@ def load(
     if not has_cuda():
         engine_args = {**cpu_defaults(int(engine_args.get("tensor_parallel_size", 1))), **engine_args}
     _compat.check_versions()
-    m = isolated.start(_client_class(), path, arch, engine_args, start_timeout)
+    with logs.captured_warnings(), logs.keep_excepthook():
+        m = isolated.start(_client_class(), path, arch, engine_args, start_timeout)
     _track(m)
+    _announce(m, before)
     return m
 
 
-def quiet_engine_logs() -> None:
-    """vLLM's ~45 INFO lines per engine start, off unless asked for (issue 14, item 9).
+def _replace_in_process_engine(model, engine_args: dict):
+    """Re-running a notebook's load cell: one in-process engine per process (vLLM's distributed state
+    is per process), so the running one is handed back when it is the same model with the same
+    arguments, and closed otherwise; whoever still holds it gets a clear "closed" error."""
+    open_ = _other_in_process_engines(None)
+    if not open_:
+        return None
+    path = _resolve(model)[0]
+    for old in open_:
+        if getattr(old, "_nnvllm_load_args", None) == (path, engine_args):
+            print(f"nnvllm: {_name(path)} is already loaded here with these arguments; returning that engine")
+            return old
+    for old in open_:
+        print(f"nnvllm: closing the in-process engine of {_name(old.checkpoint)} to load {_name(path)} "
+              "(one in-process engine per process; nv.load(..., isolate=True) runs several)")
+        old.close()
+    return None
 
-    Sets ``VLLM_LOGGING_LEVEL=WARNING`` for vLLM in this process and the engine processes it starts,
-    unless the caller set ``VLLM_LOGGING_LEVEL`` or ``NNVLLM_VERBOSE=1``. Warnings and errors still
-    show, and an isolated engine's log keeps them (a failed start quotes the first error).
-    """
-    import logging
 
-    if os.environ.get("NNVLLM_VERBOSE") or "VLLM_LOGGING_LEVEL" in os.environ:
+def _name(path) -> str:
+    return os.path.basename(str(path).rstrip("/")) or str(path)
+
+
+def _announce(m, before: int) -> None:
+    """The one line a load prints: model, engine, memory (and where the engine's warnings went)."""
+    if logs.verbose():
         return
-    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
-    logging.getLogger("vllm").setLevel(logging.WARNING)  # vLLM imported before: its logger is set up
+    import torch
+
+    where = "isolated" if getattr(m, "_nnvllm_isolated", False) else "in-process"
+    device = "GPU" if has_cuda() else "CPU"
+    pid = getattr(m, "pid", None) if where == "isolated" else os.getpid()
+    rss = tree_rss(pid) if pid else None
+    mem = [] if rss is None else [f"{rss / 2**30:.1f} GiB RAM"]
+    if device == "GPU":
+        free, total = torch.cuda.mem_get_info()
+        mem.append(f"{(total - free) / 2**30:.1f} GiB GPU memory in use")
+    n = sum(1 for ln in list(logs.ENGINE_LOG.lines)[before:] if "WARNING" in ln)
+    note = f"; {n} engine warning{'s' * (n != 1)} in model.log()" if n else ""
+    print(f"nnvllm: {_name(m.checkpoint)} ({m.arch.family}, {m.n_layers} layers) on an {where} {device} engine, "
+          f"{', '.join(mem) or 'memory unknown'}{note}")
 
 
 def _client_class(gpu: bool | None = None):

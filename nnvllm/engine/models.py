@@ -322,6 +322,19 @@ def _buildmodel_classes():
                 VLLM._cleanup_distributed()
             gc.collect()
 
+        def log(self, last: int | None = 200) -> str:
+            """The engine's log: what vLLM logged and the warnings its libraries raised, kept out of the
+            notebook (the last ``last`` lines; None: all). An isolated engine's own log file follows."""
+            from .logs import ENGINE_LOG, LogText
+
+            text = ENGINE_LOG.text(last)
+            path = getattr(self, "log_path", None)
+            if path is not None and os.path.exists(path):
+                lines = open(path, errors="replace").read().splitlines()
+                text += f"\n--- the engine process's log ({path}) ---\n" + "\n".join(
+                    lines if last is None else lines[-last:])
+            return LogText(text)
+
         def sleep(self, level: int = 1) -> None:
             """Offload (level 1) or drop (level 2) the weights and free the KV cache, keeping the engine
             (in-process or isolated).

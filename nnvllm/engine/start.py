@@ -26,8 +26,8 @@ def _start(model: str | os.PathLike | None, *, mode: str, **engine_args: Any):
     _compat.check_versions()
     open_ = _other_in_process_engines(None)
     if open_ and mode == "sync":
-        # vLLM keeps its distributed state (process groups) per process: a second in-process engine
-        # started, but closing either tore that state down under the other (issue 14, item 2).
+        # vLLM keeps its distributed state (process groups) per process: closing either of two
+        # in-process engines tears that state down under the other (load() closes the old one first).
         raise RuntimeError(
             f"this process already runs an in-process engine ({open_[0].checkpoint!r}); vLLM's state is "
             "per process, so a second one here would break when either is closed. Close it first "
@@ -53,6 +53,10 @@ def _start(model: str | os.PathLike | None, *, mode: str, **engine_args: Any):
     m.arch = arch.in_engine(m._module)  # vLLM's tree (its Transformers backend moves the blocks)
     m.checkpoint = path
     m.start_log = log.text if quiet else None
+    if quiet:
+        from .logs import ENGINE_LOG
+
+        ENGINE_LOG.add(log.text)
     return m
 
 
@@ -64,8 +68,8 @@ class _Log:
 def _c_stderr_to_log(on: bool):
     """While an in-process CPU engine starts, send what C/C++ code writes to file descriptor 2 to a log.
 
-    torch's "NUMA binding: Using MEMBIND policy ..." warning is written there by C++ and so escaped
-    Jupyter's ``%%capture`` in every load cell (issue 14, item 9). Only for the in-process CPU engine
+    torch's "NUMA binding: Using MEMBIND policy ..." warning is written there by C++ and so escapes
+    Jupyter's ``%%capture`` in every load cell. Only for the in-process CPU engine
     at TP=1, whose worker runs in this process: engine processes started meanwhile would inherit the
     redirection for their whole life. The text is kept as ``model.start_log``; if the start fails,
     it is added to the error. ``NNVLLM_VERBOSE=1`` leaves stderr alone.

@@ -1,0 +1,134 @@
+"""What an engine says, kept out of the user's page: vLLM's log records and warnings go to the engine
+log (``model.log()``), and a load prints one line.
+
+vLLM logs through its own ``vllm`` logger, whose handler writes to the ``sys.stdout`` of the moment
+vLLM was imported, so Jupyter's ``%%capture`` does not hold it back; an engine start printed about ten
+WARNING lines, most of them about vLLM's own environment (``LD_PRELOAD``, a global seed, chunked
+prefill that nnvllm turns off on purpose). Here that handler is replaced by one that appends to the
+process's engine log; errors still reach the user's stderr, in one line each. ``NNVLLM_VERBOSE=1``
+leaves vLLM's logging as vLLM sets it.
+
+Importing this module imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import sys
+import warnings
+
+__all__ = ["ENGINE_LOG", "LogText", "verbose", "route_vllm_logs", "captured_warnings", "keep_excepthook"]
+
+_MAX_LINES = 5000
+
+
+class _EngineLog(logging.Handler):
+    """The process's engine log: the last lines vLLM logged and the warnings raised while engines ran."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: collections.deque[str] = collections.deque(maxlen=_MAX_LINES)
+        self.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%H:%M:%S"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(self.format(record))
+        except Exception:  # noqa: BLE001 - a log line must never break a generation
+            return
+        if record.levelno >= logging.ERROR:
+            # Errors matter to the user: one line on their stderr, the rest in the log.
+            first = record.getMessage().strip().splitlines()[:1]
+            print(f"nnvllm: vLLM error: {first[0] if first else record.levelname} (model.log() has the rest)",
+                  file=sys.stderr)
+
+    def add(self, text: str) -> None:
+        for line in text.splitlines():
+            if line.strip():
+                self.lines.append(line)
+
+    def text(self, last: int | None = None) -> str:
+        lines = list(self.lines)
+        return "\n".join(lines if last is None else lines[-last:])
+
+
+ENGINE_LOG = _EngineLog()
+
+
+class LogText(str):
+    """A log's text that a notebook shows as lines (its repr is the text itself)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def verbose() -> bool:
+    """``NNVLLM_VERBOSE=1``: vLLM's own logging and warnings, as vLLM prints them."""
+    return os.environ.get("NNVLLM_VERBOSE", "").strip().lower() not in ("", "0", "false")
+
+
+def route_vllm_logs() -> None:
+    """Send vLLM's log records to :data:`ENGINE_LOG` instead of the notebook (idempotent).
+
+    vLLM configures its logger again whenever an engine starts (a ``dictConfig`` that would put its
+    own handler back), so its configuring is turned off (``VLLM_CONFIGURE_LOGGING=0``, unless the
+    user set it) and the handler installed here stays. An isolated engine's server configures vLLM's
+    logging as usual: its output goes to its own log file.
+    """
+    if verbose():
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    import vllm.logger  # noqa: F401 - configured already if vLLM was imported before: replaced below
+
+    logger = logging.getLogger("vllm")
+    if ENGINE_LOG in logger.handlers:
+        return
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+    logger.addHandler(ENGINE_LOG)
+    logger.propagate = False
+    if os.environ["VLLM_LOGGING_LEVEL"].upper() == "WARNING":
+        logger.setLevel(logging.WARNING)
+
+
+# Warnings that vLLM, torch and transformers raise while an engine starts or runs are about their
+# own internals (deprecations, NUMA binding, ...); they go to the engine log. Anything else, and
+# every warning raised by the user's own code, is left alone.
+_ENGINE_MODULES = ("vllm", "torch", "transformers", "nnsight", "triton", "pydantic", "huggingface_hub")
+
+
+@contextlib.contextmanager
+def captured_warnings():
+    """Within the block, warnings raised from the engine's libraries go to :data:`ENGINE_LOG`."""
+    if verbose():
+        yield
+        return
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        parts = os.path.normpath(str(filename)).split(os.sep)
+        if "site-packages" in parts and any(m in parts for m in _ENGINE_MODULES):
+            ENGINE_LOG.add(f"WARNING [{category.__name__}] {filename}:{lineno}: {message}")
+            return
+        shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    try:
+        yield
+    finally:
+        if warnings.showwarning is showwarning:
+            warnings.showwarning = shown
+
+
+@contextlib.contextmanager
+def keep_excepthook():
+    """Keep ``sys.excepthook`` as it was: ``torch.distributed.init_process_group`` wraps it to prefix
+    ``[rank0]:`` to every line of every later traceback of the process, the user's own included."""
+    hook = sys.excepthook
+    try:
+        yield
+    finally:
+        sys.excepthook = hook
