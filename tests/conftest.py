@@ -51,8 +51,8 @@ def _notebooks_run_in_the_browser(config, items) -> None:
 
     tests/test_browser.py::test_lens_notebook_in_browser runs notebooks/01 with Run All in JupyterLab
     and fails unless every cell ran without an error (``browser.run_all``), as nbmake does, then uses
-    its widget. Both in one session (make test) ran the notebook twice, each in a kernel of its own
-    that imports vLLM and starts an engine: ~25 CPU-s of the 2-core box (session 15). Where the
+    its widget. Both in one session (make test) would run the notebook twice, each in a kernel of its
+    own that imports vLLM and starts an engine: ~25 CPU-s of the 2-core box. Where the
     browser test cannot run (no chromium or playwright, or deselected), nbmake's run stays.
     """
     test = next((i for i in items if i.nodeid.endswith("test_browser.py::test_lens_notebook_in_browser")), None)
@@ -75,8 +75,8 @@ SPLIT_BY_CASE = ("tests/test_families.py",)
 # Test files whose engines are shared (shared_engine below): an engine stays open after its file for
 # the next file that asks for the same checkpoint and arguments. Under pytest-xdist they are one work
 # unit, run back to back by one worker, checkpoint by checkpoint (_one_engine_start_each): three
-# engine starts (toy, llama, gpt2) at TP=1 instead of fifteen, ~4 CPU-s each on the 2-core box
-# (session 15); in one process (the TP=2 stage) the same order. Their tests must leave the engine as
+# engine starts (toy, llama, gpt2) at TP=1 instead of fifteen, ~4 CPU-s each on the 2-core box; in
+# one process (the TP=2 stage) the same order. Their tests must leave the engine as
 # they found it: what one leaves armed shows in the next.
 SHARED_ENGINE_FILES = (
     "test_vllm.py", "test_edits.py", "test_stream.py", "test_engine.py", "test_widgets.py", "test_store.py",
@@ -91,15 +91,14 @@ def _shares(path) -> bool:
     return str(path).split("::", 1)[0].replace("\\", "/").rsplit("/", 1)[-1] in SHARED_ENGINE_FILES
 
 
-# Seconds each test file takes on the 2-core CPU machine at TP=1 (junit of a 2-worker run, 2026-12-01,
-# chromium present; test_families.py in all, its cases dealt out one by one; test_isolated.py since
-# it took over the isolated cases of test_bad_input.py and test_interrupt.py: estimated from a
-# 3-worker run's shares). Workers take the slowest units first (longest-first scheduling): xdist's
-# default order, the files with the most tests first, left test_isolated_lifecycle.py's 3 tests
-# (~150 s) to the end, one worker running them alone. The notebooks (make test runs them in the same
-# pool) and the files session 13 cut are estimated from the CPU seconds each used in a run of make
-# test (a /proc sampler, each process's CPU counted to the test that started it). A file not listed
-# counts as 0 s and goes last; re-measure when a file's cost moves.
+# Seconds each test file takes on the 2-core CPU machine at TP=1: from the junit report of a 2-worker
+# run with chromium present (test_families.py in all, its cases dealt out one by one), or, for the
+# notebooks (make test runs them in the same pool) and files without such a measurement, estimated
+# from the CPU seconds each used in a run of make test (scripts/cpu_by_test.py: each process's CPU
+# counted to the test that started it). Workers take the slowest units first (longest-first
+# scheduling): xdist's default order, the files with the most tests first, leaves
+# test_isolated_lifecycle.py's 3 tests (~150 s) to the end, one worker running them alone. A file not
+# listed counts as 0 s and goes last; re-measure when a file's cost moves.
 FILE_SECONDS = {
     "test_isolated.py": 200, "test_browser.py": 120, "test_isolated_lifecycle.py": 100, "test_families.py": 120,
     "05_several_models.ipynb": 80, "04_discrepancies.ipynb": 45, "test_engine.py": 45, "test_docs.py": 40,
@@ -202,7 +201,7 @@ def _share_the_gpu() -> None:
     if torch.cuda.is_available():
         os.environ.setdefault("NNVLLM_GPU_MEMORY_UTILIZATION", "0.25")
         # vLLM's memory profiling at start fails when another process frees memory meanwhile: a
-        # fixed KV cache skips it (the README test's engine failed so in bench_c).
+        # fixed KV cache skips it (the README test's engine fails so beside other test processes).
         os.environ.setdefault("NNVLLM_KV_CACHE_MEMORY_BYTES", "1GiB")
 
 
@@ -212,8 +211,8 @@ _share_the_gpu()
 def same_values(a, b) -> bool:
     """Two calls' captures of the same prompts agree: bit for bit on CPU (an in-process engine steps
     its whole batch at once); on a GPU within 1e-4. There the engine core runs in its own process and
-    may start a prefill before every request of the call has arrived (seen in lane E: a first step
-    holding one of three prompts), and a different batch make-up changes fp32 rounding (~1e-6). A
+    may start a prefill before every request of the call has arrived (a first step can hold one of
+    three prompts), and a different batch make-up changes fp32 rounding (~1e-6). A
     left-over edit moves values by far more than the bound."""
     import torch
 
@@ -288,9 +287,8 @@ def seed_engine(kind: str, path, tp):
     """The shared engine of the seed's modules (test_edits.py, test_stream.py) for checkpoint ``kind``.
 
     At TP>1 the llama engine is isolated (``isolate=True``) and the toy one in-process: the TP=2 stage
-    covers both transports with the engines it starts anyway. (It started a third TP=2 engine, an
-    isolated toy, for one test: ~100 s of the 2-core box's CPU, each of its four processes importing
-    vLLM; session 13.)"""
+    covers both transports with the engines it starts anyway. (A third TP=2 engine, an isolated toy,
+    would cost ~100 s of the 2-core box's CPU, each of its four processes importing vLLM.)"""
     return shared_engine(path, tp, **({"isolate": True} if tp > 1 and kind == "llama" else {}))
 
 

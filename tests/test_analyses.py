@@ -176,7 +176,7 @@ def test_patch_a_generated_step_matches_transformers(toy, toy_path, fidelity):
 
 
 def test_patch_prints_no_engine_progress_bars(toy, capfd):
-    # Issue 14, item 9: vLLM's "Processed prompts" bars appeared in nv.patch cells with progress=False.
+    # progress=False means no bar at all, vLLM's "Processed prompts" bars included.
     capfd.readouterr()
     nv.patch(toy, "The capital of France is", "The capital of Italy is", " Paris", " Rome", layers=[0],
              progress=False)

@@ -1,4 +1,4 @@
-"""Nothing a user passes to ``nv.generate`` may wedge or kill an engine (issue 15).
+"""Nothing a user passes to ``nv.generate`` may wedge or kill an engine.
 
 Every bad argument is refused on the client, before the engine sees it, with an error that names
 the argument; after each refusal the same engine still answers a clean prompt exactly as before.

@@ -1,4 +1,4 @@
-"""Bad input to ``nv.load``, ``nv.patch`` and ``nv.logit_lens`` is refused before any engine work (issue 15).
+"""Bad input to ``nv.load``, ``nv.patch`` and ``nv.logit_lens`` is refused before any engine work.
 
 ``nv.load`` rows build broken checkpoint folders from the toy model's files and must fail before an
 engine starts (``_build_engine`` and ``isolated.start`` are replaced by tripwires). ``nv.patch`` and
@@ -233,8 +233,8 @@ def test_the_toy_config_is_what_the_rows_copy():
 
 
 def test_patch_warns_when_the_clean_prompt_does_not_prefer_the_answer(toy_engine):
-    """No leading spaces: 'Paris'/'Rome' are other tokens, the clean prompt does not prefer 'Paris'
-    (issue 14, item 10): the normalized effects would be meaningless, so nv.patch says so."""
+    """No leading spaces: 'Paris'/'Rome' are other tokens, the clean prompt does not prefer 'Paris':
+    the normalized effects would be meaningless, so nv.patch says so."""
     with pytest.warns(UserWarning, match="does not prefer"):
         nv.patch(toy_engine[0], "The capital of France is", "The capital of Italy is", "Paris", "Rome",
                  layers=[0], positions=[-1], progress=False)

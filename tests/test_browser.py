@@ -29,7 +29,7 @@ def lab(tmp_path_factory):
     """One JupyterLab and one chromium for the file's tests (each test's notebook in the lab's root).
 
     Each start costs CPU the 2-core test machine shares with the engines (a lab ~8 s, chromium
-    ~12-16 s of CPU, measured per test in session 13); a test shuts its kernels down when done
+    ~12-16 s of CPU, measured per test); a test shuts its kernels down when done
     (``opened``), so no engine outlives its test."""
     why = browser.missing_requirements()
     if why:
@@ -58,7 +58,7 @@ def opened(lab, name: str, cells: list[str] | None = None):
 
 def _drive(lab, notebook: str, shot: Path, prompt: str | None = None, cells: list[str] | None = None) -> dict:
     """Open ``notebook``, Run All, press ArrowRight on the layer slider; then, with ``prompt``, type it
-    into the explorer and click its Run button (a call to the engine after Run All: issue 14, item 1).
+    into the explorer and click its Run button (a call to the engine after Run All must answer).
     Return what was seen."""
     t0 = time.monotonic()
     with opened(lab, notebook, cells) as page:
@@ -165,11 +165,11 @@ live""",
 @pytest.mark.browser
 def test_two_engines_then_live_generation_in_one_kernel_in_browser(lab):
     """One notebook, one kernel, run from JupyterLab (one kernel start instead of two: ~20 s of the 2-core
-    box's CPU, session 14):
+    box's CPU):
 
-    - Issue 14: two engines in one kernel (in-process, then isolated): both answer, closing the first
-      leaves the second working, none is left.
-    - Issue 12: then an in-process engine again, and the LiveGeneration widget shows tokens and the
+    - two engines in one kernel (in-process, then isolated): both answer, closing the first leaves the
+      second working, none is left;
+    - then an in-process engine again, and the LiveGeneration widget shows tokens and the
       lens panel growing while the engine generates (in a background thread); its Stop button, clicked
       in the page, ends the generation early with what was produced.
     """

@@ -1,6 +1,5 @@
-"""The README's "In one screen" block runs as written, and the values its comments state are the real ones.
-
-(Issue 14, item 15: the README said ``run.logits[0].shape`` was ``[5, vocab]``; it is ``[3, 622]``.)
+"""The README's "In one screen" block runs as written, and the values its comments state are the real ones
+(``run.logits[0].shape`` is ``[3, 622]``: a comment that states a shape must state the one that comes).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Edits while generating (issue 12, part): steering, ablation and scaling, on the engine's worker,
+"""Edits while generating: steering, ablation and scaling, on the engine's worker,
 against the same edits made with transformers hooks (nv.reference(..., edits=...)).
 
 On the embedded toy model (GPT-2 layout) and a tiny Llama (whose blocks return (hidden, residual):

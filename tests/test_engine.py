@@ -134,8 +134,8 @@ def test_bad_inputs_give_clear_errors(tmp_path, toy):
 
 
 def test_c_level_start_up_warnings_stay_out_of_the_notebook():
-    # Issue 14, item 9: torch's C++ "NUMA binding" warning escaped %%capture in every CPU load cell,
-    # and vLLM's INFO lines filled a script's output. One fresh process: a load with the defaults (quiet),
+    # torch's C++ "NUMA binding" warning is printed at C level, past %%capture, in every CPU load cell,
+    # and vLLM's INFO lines would fill a script's output: neither may show. One fresh process: a load with the defaults (quiet),
     # then, as the control, a load with NNVLLM_VERBOSE=1 and vLLM's logger (and its handlers) back at INFO. (Two processes,
     # one per setting, cost ~50 s of CPU on the 2-core box, ~25 s each importing vLLM.)
     import os
@@ -165,7 +165,7 @@ def test_c_level_start_up_warnings_stay_out_of_the_notebook():
     def info_lines(text):
         return sum(" INFO " in ln for ln in text.splitlines())
 
-    # vLLM's start-up INFO lines: many when asked for, none by default (issue 14, item 9)
+    # vLLM's start-up INFO lines: many when asked for, none by default
     assert info_lines(loud) > 10 and info_lines(quiet) == 0, (info_lines(loud), info_lines(quiet))
     if "LOG True" not in quiet:
         pytest.skip("this machine's torch prints no NUMA warning at engine start")

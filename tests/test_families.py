@@ -1,5 +1,5 @@
-"""Llama-layout families beyond Llama itself, each on a tiny random checkpoint, against transformers
-(issue 11, part): Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) and Phi-3 (q/k/v and
+"""Llama-layout families beyond Llama itself, each on a tiny random checkpoint, against transformers:
+Mistral, Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm) and Phi-3 (q/k/v and
 gate/up fused in transformers too) and Gemma 2 (sandwich norms, scaled embedding, (1 + w) RMSNorm,
 soft-capped attention and final logits, tied head: the lens must apply the engine's soft-cap) and
 Gemma 3 text (q/k norms, local and global attention layers), and one mixture-of-experts family,

@@ -1,4 +1,4 @@
-"""``nv.load(..., exact=True)``: GPU fp32 within 1e-4 of transformers (issue 10, item 2; GPU only).
+"""``nv.load(..., exact=True)``: GPU fp32 within 1e-4 of transformers (GPU only).
 
 Without it, vLLM's fp32 attention multiplies in TF32 (Triton's default for ``tl.dot``) and the toy
 model's residual stream is ~1e-3 from transformers, its logits ~1e-2 (docs/discrepancies.md, measured

@@ -1,18 +1,16 @@
 """An engine that replays CUDA graphs captures and patches exactly what the eager engine does (GPU only).
 
-Measured on an H200 with benchmarks/capture_gpu.py (``graphs_vs_eager``): on the random fp16 Llama-1B
-shape every residual and logit bit-identical between ``cuda_graphs=True`` and ``cuda_graphs=False``
-(2026-11-30 run B, lane I); on the GPT-2-small shape bit-identical on 2026-11-30 (run A), and in lane I
-up to 0.0024 apart in the residuals and 0.0043 in the logits, same tokens
-(``benchmarks/results/gpu/lane_i/gpt2s.json``). On the toy model in fp32 this
-test found the residuals and sites bit-identical in lanes G and I; in lane I one request's logits
-differed, and in lane J (2026-12-01) the residuals did too (``torch.equal`` failed; the gap was not
-printed). Bit-identity across the two engines is not promised by either: the graph engine pads a
-decode batch to a captured size and the GEMMs may pick other kernels for it, which rounds fp32
-differently. Lane J's second lease measured the gap: residuals within 1e-4 (their assert, checked
-first, passed), logits 2.0e-4 apart (absolute; the toy's logits reach ~11.5 on CPU transformers).
-So residuals, sites and logits are held to ``REL`` of their scale, and the gaps are printed (a row
-from a wrong step or request would be off by whole units).
+Measured on an H200 with benchmarks/capture_gpu.py (``graphs_vs_eager`` of the runs
+``llama1b_every_case`` and ``gpt2s_every_case`` in ``benchmarks/results/capture_gpu_h200.json``): on
+the random fp16 Llama-1B shape every residual and logit is bit-identical between ``cuda_graphs=True``
+and ``cuda_graphs=False``; on the GPT-2-small shape the tokens are the same, the residuals up to 0.0024
+apart and the logits 0.0043 (bit-identical in another run). On the toy model in fp32 the residuals and
+sites are bit-identical in some runs and not in others, and one request's logits can be 2.0e-4 apart
+(absolute; the toy's logits reach ~11.5 on CPU transformers). Bit-identity across the two engines is
+not promised by either: the graph engine pads a decode batch to a captured size and the GEMMs may pick
+other kernels for it, which rounds fp32 differently. So residuals, sites and logits are held to
+``REL`` of their scale, and the gaps are printed (a row from a wrong step or request would be off by
+whole units).
 It also runs ``nv.patch`` on both engines (its
 passes run eagerly on the graph engine: they carry an nnsight trace). Steering the residual stream
 runs inside the replayed graphs (``_Taps.gadd``): the steered generation must equal the eager
@@ -32,8 +30,9 @@ PROMPTS = ["The capital of France is", "Paris is the capital of", "The capital o
 
 
 # Graphs against eager: each tensor's largest gap over its scale (its largest |value|, at least 1).
-# 1e-4 is a fifth of one fp16 rounding unit (2**-11 = 4.9e-4; issue 9: "within fp16 rounding with graphs
-# on") and ~6x the largest gap measured (lane J: logits 2.0e-4 apart at a scale of ~11.5, 1.7e-5).
+# 1e-4 is a fifth of one fp16 rounding unit (2**-11 = 4.9e-4: with graphs on, a capture must agree
+# within fp16 rounding) and ~6x the largest gap measured (the toy's logits 2.0e-4 apart at a scale of
+# ~11.5: 1.7e-5).
 REL = 1e-4
 
 
@@ -76,9 +75,9 @@ def test_graph_engine_captures_and_patches_what_the_eager_engine_does(toy_path):
     print("graph engine vs eager engine, largest relative gap over the requests:", gaps)
     for what, gap in gaps.items():
         assert gap < REL, f"graph-engine {what}: {gap:.3g} of its scale from the eager engine's (worst request)"
-    # nv.patch's traces run eagerly on both engines. Its results were bit-identical in one H200 run
-    # (lane_b) and ~1e-4 apart in another (bench_c: -6.8381 vs -6.8382 in one cell): two eager runs of
-    # the same batch, not graphs against eager. Within fp32 rounding of a logit difference of ~7.
+    # nv.patch's traces run eagerly on both engines. Its results are bit-identical in some H200 runs
+    # and ~1e-4 apart in others (-6.8381 vs -6.8382 in one cell): two eager runs of the same batch, not
+    # graphs against eager. Within fp32 rounding of a logit difference of ~7.
     assert (graphs_patch.patched_diff - eager_patch.patched_diff).abs().max() < 1e-3
     assert abs(graphs_patch.effect[-1, -1] - 1) < 1e-3  # the last block at the last position restores all
     # Steering on the graph engine ran in its graphs (no eager fallback) and made the eager edits.

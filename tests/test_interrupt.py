@@ -1,4 +1,4 @@
-"""Ctrl-C during nv.generate (a notebook's stop button) leaves the engine answering (issue 15, item 0).
+"""Ctrl-C during nv.generate (a notebook's stop button) leaves the engine answering.
 
 The isolated engine's case is test_isolated.py::test_interrupt_isolated (on that file's engine)."""
 

@@ -3,9 +3,9 @@ whose tests share one engine, and the two files can run side by side): loads in 
 memory back, a start that hangs times out with its log tail, and the server ends itself when the
 process that started it is gone.
 
-Five loads in a row (as this file had until 2026-12-01) took 119 s on the 2-core CPU machine and
-200 s on an H200 shared with other test processes (lane E); three loads 134 s of CPU (session 13,
-each isolated start is a server and an EngineCore process, each importing vLLM); two now.
+Each isolated start is a server and an EngineCore process, each importing vLLM: ~45 s of CPU per load
+on the 2-core machine. So the loads-in-a-row test makes two, the fewest that show memory growing
+from one load to the next.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def test_models_in_a_row_give_their_memory_back(toy_path, tiny_paths):
     """Load two isolated engines (two models) one after the other, one closed with ``close()``, one by
     its ``with`` block: RSS (this process + children) is back. After the first close, the RSS may stay
     at most 30 MiB above where it was: a leak of 40 MiB per engine fails at the second load (measured:
-    0-1 MiB per later load on CPU, docs/engines.md). Three loads with a 75 MiB limit caught the same
-    leak at the third; each load fewer saves ~45 s of the suite's 2-core CPU time."""
+    0-1 MiB per later load on CPU, docs/engines.md). Three loads with a 75 MiB limit would catch the same
+    leak only at the third; each load fewer saves ~45 s of the suite's 2-core CPU time."""
     paths = [tiny_paths["llama"], toy_path]
     refs = {p: nv.reference(p, CLEAN, max_tokens=2, layers=[0, -1]) for p in set(paths)}
     gc.collect()

@@ -1,4 +1,4 @@
-"""nv.stream: a generation step by step while the engine runs it (issue 12, item 3).
+"""nv.stream: a generation step by step while the engine runs it.
 
 Each streamed step must agree with the Run the stream ends with (tokens, sampling probabilities, the
 logit lens's top-1 at the position that produced each token), and that Run with nv.generate's for the

@@ -267,8 +267,8 @@ def test_compare_view_vllm_vs_transformers(toy, toy_path):
 
 
 def test_explorer_carries_a_static_copy_for_html_exports(toy):
-    # Issue 14, item 14: make demo's HTML (no widget manager offline) showed an empty output where the
-    # explorer was; the explorer's display data now also holds its figure as text/html.
+    # make demo's HTML has no widget manager offline, so the explorer's display data also holds its
+    # figure as text/html: without it the export shows an empty output where the explorer is.
     ex = LensExplorer(toy, "The capital of France is", max_tokens=2)
     data = ex._repr_mimebundle_()
     data = data[0] if isinstance(data, tuple) else data
