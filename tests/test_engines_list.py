@@ -53,11 +53,11 @@ def test_a_start_and_a_close_walk_the_whole_heap_once_each(toy_path):
     engine starts, each pass over every object of the process that runs its EngineCore (~2.5 s of a
     ~4.5 s start on the CPU box). Where that is this process (the CPU at TP=1), the first pass freezes
     the heap, so the others walk only what the start creates. Counted here: full collections while
-    nothing is frozen (five before the change on the CPU box, one after it), in a process that has
+    nothing is frozen (one, where vLLM alone makes five on the CPU box), in a process that has
     started an engine before (a first start imports much of vLLM; its imports' automatic passes are
     off during the start too). Where the EngineCore runs in its own process (the GPU), vLLM
-    collects nothing here and nnvllm adds nothing: no full collection here during the start (lane K
-    on the H200 found the heap left frozen by the old code, which collected and froze it anyway).
+    collects nothing here and nnvllm adds nothing: no full collection here during the start (a pass
+    here would be pure cost: vLLM's collections run in the EngineCore's process).
     Closing (nnvllm.engine._collections_deferred): one full collection, after which the engine is
     gone, instead of vLLM's two during its shutdown and nnvllm's one after it."""
     import gc
