@@ -14,6 +14,8 @@ The public verbs, one hop from here:
   (``widgets.py``) shows it live with a Stop button.
 - ``widgets.py`` — the notebook explorers (lens, samples, patching, compare, live); what they show is
   computed by the pure functions of ``views.py``.
+- :class:`SAE` (``sae.py``) — a sparse autoencoder in sae-lens's saved layout (``SAE.load``); pass
+  ``saes=[...]`` to :func:`generate` to encode inside the engine (``run.features``).
 - :func:`collect` (``store.py``) — many prompts, chunked to disk under a memory budget, read lazily.
 - :func:`reference` (``reference.py``) — the same capture on plain transformers (ground truth).
 - :func:`logit_lens`, :func:`patch`, :func:`steering_vector` (``analyses.py``; math in ``lens.py``, ``patching.py``).

@@ -80,6 +80,9 @@ def generate(
     sites: Sequence[str] = (),
     ignore_eos: bool = False,
     edits=None,
+    saes=None,
+    sae_k: int = 32,
+    sae_dense: bool = False,
 ) -> Run:
     """Generate from ``prompts`` on the engine and capture logits, samples and activations.
 
@@ -98,6 +101,13 @@ def generate(
         ignore_eos: keep generating past the end-of-sequence token (a fixed number of steps).
         edits: :class:`~nnvllm.edits.Edit` s made while generating (steering, ablation, scaling; see
             :mod:`nnvllm.edits`), for every prompt; ``run.meta["edits"]`` records them.
+        saes: :class:`~nnvllm.SAE` s (``nv.SAE.load(path, site=..., layer=...)``) to encode their
+            site with inside the engine, at every position: ``run.features[s][i]`` is
+            ``(ids [pos, k], values [pos, k])`` for SAE ``s`` and request ``i``, and
+            ``run.sae_errors[s][i]`` the reconstruction error's norm per position. Only these leave
+            the engine: pass ``layers=None`` to keep no residual stream beside them.
+        sae_k: features kept per position (the most active, largest first).
+        sae_dense: keep every feature (``run.features[s][i]`` is ``[pos, d_sae]``) instead of the top ``sae_k``.
 
     Returns:
         A :class:`~nnvllm.results.Run`; ``run.resid[i]`` is ``[layer, pos, d_model]`` over the prompt
@@ -111,7 +121,8 @@ def generate(
     t0 = time.perf_counter()
     CLIENT_TIMINGS.clear()
     req = _request(model, prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                   layers=layers, logits=logits, top_k=top_k, sites=sites, ignore_eos=ignore_eos, edits=edits)
+                   layers=layers, logits=logits, top_k=top_k, sites=sites, ignore_eos=ignore_eos, edits=edits,
+                   saes=saes, sae_k=sae_k, sae_dense=sae_dense)
     t1 = time.perf_counter()
     outputs, handoff = req.engine.capture(req.prompts, req.params, req.spec)
     t2 = time.perf_counter()
@@ -129,7 +140,7 @@ class _Request:
 
 
 def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, logits, top_k, sites, ignore_eos,
-             edits, stream: bool = False) -> _Request:
+             edits, stream: bool = False, saes=None, sae_k: int = 32, sae_dense: bool = False) -> _Request:
     # Every argument is checked here, on the client: a bad value must never reach (and wedge) the engine.
     if getattr(model, "arch", None) is None or not hasattr(model, "n_layers"):
         raise TypeError(f"model={_validate._show(model)}: expected a model from nv.load(...)")
@@ -150,6 +161,9 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
 
     edit_list = _edits.resolve(edits, model.arch, model.n_layers, _edits.site_widths(model),
                                engine.info()["tp"] if edits else 1, n_prompts=len(prompts))
+    from .sae import resolve as _resolve_saes
+
+    sae_specs = _resolve_saes(saes, model.arch, model.n_layers, _edits.site_widths(model), sae_k, sae_dense)
     arch = model.arch
     wanted = (("resid",) if layer_ids else ()) + sites
     params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
@@ -159,11 +173,21 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
             "sample": {"temperature": float(temperature), "top_p": float(top_p), "k": int(top_k)},
             "client_pid": os.getpid(), "edits": _edits.to_spec(edit_list), "stream": bool(stream),
             "returned": returned_files(),  # hand-off files of dropped Runs, for the engine to reuse
+            "saes": sae_specs,
             **_size_hint(model, prompts, max_tokens)}
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, top_k=top_k,
                     ignore_eos=ignore_eos)
     return _Request(engine=engine, prompts=prompts, params=params, spec=spec, layer_ids=layer_ids, wanted=wanted,
-                    logits=logits, edit_list=edit_list, sampling=sampling)
+                    logits=logits, edit_list=edit_list, sampling=sampling,
+                    saes=list(saes) if isinstance(saes, (list, tuple)) else [saes] if saes is not None else [],
+                    sae_specs=sae_specs)
+
+
+def _describe(sae, spec: dict) -> dict:
+    """What ``run.meta["saes"]`` records of one SAE (JSON: it is saved with the run)."""
+    return {"site": sae.site, "layer": sae.layer, "architecture": sae.architecture, "d_in": sae.d_in,
+            "d_sae": sae.d_sae, "hook_name": sae.hook_name, "path": spec["path"],
+            "k": spec["k"], "dense": spec["k"] is None}
 
 
 def _assemble(model, req: _Request, outputs: list[dict], handoff: dict | None) -> Run:
@@ -190,7 +214,9 @@ def _assemble(model, req: _Request, outputs: list[dict], handoff: dict | None) -
               samples=[], resid=[] if layer_ids else None, layers=layer_ids,
               sites={s: [] for s in wanted if s != "resid"}, sampling=dict(req.sampling),
               meta=dict(engine="vllm", model=model.checkpoint, dtype=info["dtype"], tp=info["tp"],
-                        **({"edits": [e.describe() for e in req.edit_list]} if req.edit_list else {})))
+                        **({"edits": [e.describe() for e in req.edit_list]} if req.edit_list else {}),
+                        **({"saes": [_describe(x, sp) for x, sp in zip(req.saes, req.sae_specs)]} if req.saes else {})),
+              features=[[] for _ in req.sae_specs], sae_errors=[[] for _ in req.sae_specs])
     run.tokenizer = getattr(model, "tokenizer", None)  # for labels (Run.plot); not saved with the run
     for out in outputs:
         rid = out["request_id"]
@@ -215,5 +241,10 @@ def _assemble(model, req: _Request, outputs: list[dict], handoff: dict | None) -
         for s in wanted:
             t = a[s][:, rec["off"]:rec["off"] + n_pos]  # a view: no copy per request
             (run.resid if s == "resid" else run.sites[s]).append(t)
+        off = rec["off"]
+        for j, spec in enumerate(req.sae_specs):  # views, as the sites
+            run.features[j].append(a[f"_sae{j}_dense"][off:off + n_pos] if spec["k"] is None else
+                                   (a[f"_sae{j}_ids"][off:off + n_pos], a[f"_sae{j}_values"][off:off + n_pos]))
+            run.sae_errors[j].append(a[f"_sae{j}_error"][off:off + n_pos])
     return run
 

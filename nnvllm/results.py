@@ -63,6 +63,13 @@ class Run:
         sites: extra sites by name (``"attn"``, ``"mlp"``, ``"mlp_in"``, ``"mlp_act"``), each a list
             of per-request ``[layer, pos, width]`` tensors.
         layers: the block indices captured (the ``layer`` axis).
+        features: per SAE of ``generate(..., saes=[...])`` (in that order), per request the features
+            at each position: ``(ids [pos, k], values [pos, k])``, the ``k`` most active features
+            largest first (ids int32), or the dense code ``[pos, d_sae]`` with ``sae_dense=True``.
+            ``run.features[s][i][0][p]`` are the features SAE ``s`` finds at position ``p`` of
+            request ``i``. ``meta["saes"]`` describes each SAE (site, layer, d_sae, folder).
+        sae_errors: per SAE, per request ``[pos]``: the norm of the site's value minus the SAE's
+            reconstruction of it (what the SAE misses), per position.
         sampling: the sampling settings used (temperature, top_p, seed, max_tokens, top_k).
         meta: where it came from (``engine``: "vllm" or "transformers", ``model``, ``dtype``, ``tp``).
     """
@@ -76,6 +83,8 @@ class Run:
     resid: list[Tensor] | None
     layers: list[int]
     sites: dict[str, list[Tensor]] = field(default_factory=dict)
+    features: list[list[tuple[Tensor, Tensor] | Tensor]] = field(default_factory=list)
+    sae_errors: list[list[Tensor]] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -102,6 +111,8 @@ class Run:
             parts.append(f"layers {self.layers[0]}..{self.layers[-1]} ({len(self.layers)})")
         if self.sites:
             parts.append("sites " + ", ".join(self.sites))
+        if self.features:
+            parts.append(f"features of {len(self.features)} SAE{'s' if len(self.features) != 1 else ''}")
         parts.append("logits" if self.logits is not None else "no logits")
         src = ", ".join(str(self.meta[k]) for k in ("engine", "dtype") if self.meta.get(k))
         text = repr(self.text[0][:30]) + (" ..." if n > 1 else "") if n else ""
@@ -165,10 +176,19 @@ class Run:
             for f in _SAMPLE_FIELDS + _OPTIONAL_SAMPLE_FIELDS:
                 if getattr(self.samples[i], f) is not None:
                     tensors[f"samples/{i}/{f}"] = getattr(self.samples[i], f)
+            for s, per in enumerate(self.features):
+                if isinstance(per[i], tuple):
+                    tensors[f"features/{s}/{i}/ids"], tensors[f"features/{s}/{i}/values"] = per[i]
+                else:
+                    tensors[f"features/{s}/{i}/dense"] = per[i]
+                if s < len(self.sae_errors):
+                    tensors[f"sae_errors/{s}/{i}"] = self.sae_errors[s][i]
         info = {
             "n": n, "prompts": self.prompts, "prompt_ids": self.prompt_ids, "tokens": self.tokens,
             "text": self.text, "layers": self.layers, "sampling": self.sampling, "meta": self.meta,
             "resid": self.resid is not None, "logits": self.logits is not None, "sites": list(self.sites),
+            "features": [bool(per) and not isinstance(per[0], tuple) for per in self.features],  # dense?
+            "sae_errors": len(self.sae_errors),
         }
         save_tensors(tensors, path, {"nnvllm.run": _to_json(info, "Run")}, fmt=RUN_FORMAT)
 
@@ -195,6 +215,10 @@ class Run:
                 layers=info["layers"],
                 sites={s: [tensors[f"sites/{s}/{i}"] for i in range(n)] for s in info["sites"]},
                 sampling=info["sampling"], meta=info["meta"],
+                features=[[tensors[f"features/{s}/{i}/dense"] if dense else
+                           (tensors[f"features/{s}/{i}/ids"], tensors[f"features/{s}/{i}/values"]) for i in range(n)]
+                          for s, dense in enumerate(info.get("features", []))],
+                sae_errors=[[tensors[f"sae_errors/{s}/{i}"] for i in range(n)] for s in range(info.get("sae_errors", 0))],
             )
         except (KeyError, TypeError, json.JSONDecodeError) as e:
             raise ValueError(f"{str(path)!r} is damaged: its run description is incomplete ({e!r}); "

@@ -36,6 +36,9 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import tempfile
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -367,6 +370,13 @@ class SAE:
         sae_in, undo = self._input(x)
         return self._decode(self._acts(sae_in), undo)
 
+    def encode_with_error(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(encode(x), error_norm(x))`` with one encode: the feature activations ``[..., d_sae]`` and
+        the L2 norm ``[...]`` of what the reconstruction misses."""
+        sae_in, undo = self._input(x)
+        acts = self._acts(sae_in)
+        return acts, (x.to(self.dtype) - self._decode(acts, undo)).norm(dim=-1)
+
     def error(self, x: Tensor) -> Tensor:
         """``x - reconstruct(x)``, in the SAE's dtype: what the SAE misses (sae-lens's ``hook_sae_error``)."""
         return x.to(self.dtype) - self.reconstruct(x)
@@ -383,6 +393,38 @@ class SAE:
         values, ids = torch.topk(self.encode(x), k=k, dim=-1, sorted=True)
         return ids, values
 
+    def save(self, path: str | Path) -> Path:
+        """Write the SAE in sae-lens's layout (``cfg.json`` + ``sae_weights.safetensors``) to the folder
+        ``path``: :meth:`load` and sae-lens's ``SAE.load_from_disk`` read it back. Returns the folder.
+
+        The engine reads an SAE from its folder: an SAE built in memory is saved before it is used
+        there (see :func:`nnvllm.generate`'s ``saes=``)."""
+        from safetensors.torch import save_file
+
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg = {k: v for k, v in self.cfg.items() if k not in ("finetuning_scaling_factor",)}
+        meta = dict(cfg.get("metadata") or {})
+        meta.setdefault("sae_lens_version", "6.0.0")  # the layout written here is sae-lens 6's
+        if self.hook_name is not None:
+            meta["hook_name"] = self.hook_name
+        cfg.update(d_in=self.d_in, d_sae=self.d_sae, architecture=self.architecture,
+                   dtype=str(self.dtype).removeprefix("torch."), device="cpu",
+                   apply_b_dec_to_input=self.apply_b_dec_to_input,
+                   normalize_activations=self.normalize_activations, metadata=meta)
+        for key in ("hook_name", "hook_point", "hook_head_index", "activation_fn", "activation_fn_str",
+                    "activation_fn_kwargs", "sae_lens_version"):
+            cfg.pop(key, None)  # pre-6 spellings: their values live in the fields above now
+        if self.architecture == "topk":
+            cfg.update(k=self.k, rescale_acts_by_decoder_norm=self.rescale_acts_by_decoder_norm)
+        weights = {n: t.detach().to("cpu").contiguous() for n, t in self.tensors().items()}
+        if "finetuning_scaling_factor" in weights:  # sae-lens's pre-6 name and switch for it
+            weights["scaling_factor"] = weights.pop("finetuning_scaling_factor")
+            cfg["finetuning_scaling_factor"] = True
+        save_file(weights, str(folder / WEIGHTS_FILENAME))
+        (folder / CFG_FILENAME).write_text(json.dumps(cfg))
+        return folder
+
     def direction(self, feature: int) -> Tensor:
         """``[d_in]`` the decoder row of ``feature``: what the feature writes into the site."""
         if isinstance(feature, bool) or not isinstance(feature, int) or not 0 <= feature < self.d_sae:
@@ -393,6 +435,59 @@ class SAE:
         extra = f", k={self.k}" if self.k is not None else ""
         return (f"SAE({self.architecture}, site={self.site!r}, layer={self.layer}, d_in={self.d_in}, "
                 f"d_sae={self.d_sae}{extra}, dtype={str(self.dtype).removeprefix('torch.')})")
+
+
+def resolve(saes, arch, n_layers: int, widths: dict[str, int], k: int, dense: bool) -> list[dict]:
+    """Check ``saes`` against a model and the call's ``sae_k``/``sae_dense``; return the plain specs
+    the engine's worker arms (folder, site, layer, dtype, k: None for the dense code).
+
+    Args:
+        saes: an :class:`SAE` or a list of them (None: none).
+        arch: the model's :class:`~nnvllm.arch.Arch` (the sites it offers).
+        n_layers: its block count. widths: its full site widths (``nnvllm.edits.site_widths``).
+        k: features kept per position. dense: keep every feature instead.
+    """
+    if saes is None:
+        return []
+    if isinstance(saes, SAE):
+        saes = [saes]
+    if not isinstance(saes, (list, tuple)) or not all(isinstance(x, SAE) for x in saes):
+        got = (type(saes).__name__ if not isinstance(saes, (list, tuple))
+               else next(type(x).__name__ for x in saes if not isinstance(x, SAE)))
+        raise TypeError(f"saes must be a list of nv.SAE (nv.SAE.load(path, site=..., layer=...)), got {got}")
+    if not isinstance(dense, bool):
+        raise TypeError(f"sae_dense={dense!r}; expected True (every feature) or False (the top sae_k)")
+    specs = []
+    for i, sae in enumerate(saes):
+        arch.check_sites([sae.site])
+        if sae.layer >= n_layers:
+            raise ValueError(f"saes[{i}] reads layer={sae.layer}, out of range for a {n_layers}-layer model "
+                             f"(0-{n_layers - 1}); load it with the layer it was trained on (layer=...)")
+        if widths.get(sae.site):
+            sae.check_width(widths[sae.site], where=f" in this model (saes[{i}])")
+        if not dense and (isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= sae.d_sae):
+            raise ValueError(f"sae_k={k!r}; expected an int in 1..{sae.d_sae} (saes[{i}] has d_sae={sae.d_sae}), "
+                             "or sae_dense=True for every feature")
+        specs.append({"path": _folder(sae), "site": sae.site, "layer": sae.layer,
+                      "dtype": str(sae.dtype).removeprefix("torch."), "k": None if dense else k})
+    return specs
+
+
+# SAEs built in memory (no folder): the folder each was saved to for the engine, removed with the SAE.
+_SAVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _folder(sae: SAE) -> str:
+    """The folder the engine reads ``sae`` from: its own, or one it is saved to once."""
+    if sae.path is not None and (Path(sae.path) / WEIGHTS_FILENAME).is_file():
+        return str(Path(sae.path).resolve())
+    folder = _SAVED.get(sae)
+    if folder is None:
+        folder = tempfile.mkdtemp(prefix="nnvllm-sae-")
+        sae.save(folder)
+        weakref.finalize(sae, shutil.rmtree, folder, True)
+        _SAVED[sae] = folder
+    return folder
 
 
 def _dtype(dtype, where: str) -> torch.dtype:

@@ -193,3 +193,176 @@ def test_width_and_input_checks(tmp_path):
     assert torch.equal(sae.direction(7), sae.W_dec[7])
     half = sae.to(dtype=torch.float64)
     assert half.dtype == torch.float64 and half.W_dec.dtype == torch.float64 and sae.dtype == torch.float32
+
+
+def test_saved_sae_reads_back_in_sae_lens_and_here(tmp_path):
+    """SAE.save writes sae-lens's layout: sae-lens's load_from_disk and SAE.load read it to the same code."""
+    from sae_lens import SAE as SaeLensSAE
+
+    for arch, cfg in (("topk", {"k": 8, "rescale_acts_by_decoder_norm": True}), ("jumprelu", {}), ("gated", {})):
+        ref = _sae_lens_sae(arch, hook_name="blocks.4.hook_resid_pre", **cfg)
+        ref.save_model(tmp_path / arch)
+        ours = nv.SAE.load(tmp_path / arch)
+        ours.save(tmp_path / f"{arch}-again")
+        again, theirs = nv.SAE.load(tmp_path / f"{arch}-again"), SaeLensSAE.load_from_disk(tmp_path / f"{arch}-again")
+        assert (again.site, again.layer, again.architecture, again.k) == ("resid", 3, arch, ours.k)
+        x = _inputs(seed=5)
+        with torch.no_grad():
+            torch.testing.assert_close(again.encode(x), ref.encode(x), rtol=0, atol=0)
+            torch.testing.assert_close(theirs.encode(x), ref.encode(x), rtol=0, atol=0)
+
+
+def test_encode_with_error_is_encode_and_error_norm(tmp_path):
+    _sae_lens_sae("jumprelu", normalize_activations="layer_norm").save_model(tmp_path)
+    sae = nv.SAE.load(tmp_path)
+    x = _inputs()
+    acts, err = sae.encode_with_error(x)
+    assert torch.equal(acts, sae.encode(x)) and torch.equal(err, sae.error_norm(x))
+
+
+# ---------------------------------------------------------------- in the engine (toy model, d_model 64)
+
+PROMPTS = ["The capital of France is", "Paris is", "The Eiffel Tower is in the city of"]
+LAYER = 2
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def saes(tmp_path_factory):
+    """Three sae-lens SAEs on the toy model's residual stream after block 2, saved and loaded back."""
+    root = tmp_path_factory.mktemp("saes")
+    out = {}
+    for arch, cfg in (("standard", {}), ("jumprelu", {}), ("topk", {"k": 12})):
+        ref = _sae_lens_sae(arch, hook_name=f"blocks.{LAYER + 1}.hook_resid_pre", seed=7, **cfg)
+        ref.save_model(root / arch)
+        out[arch] = (ref, nv.SAE.load(root / arch))
+    return out
+
+
+def _margin(sae, x) -> torch.Tensor:
+    """[pos, d_sae] how far each pre-activation is from where the SAE's activation jumps (its
+    threshold; for TopK the boundary between the k-th and (k+1)-th): below ~1e-3 the fp32 rounding
+    between vLLM and transformers may move a feature across it."""
+    with torch.no_grad():
+        pre = sae._hidden_pre(sae._input(x)[0])
+    if sae.architecture == "jumprelu":
+        return (pre - sae.threshold).abs()
+    if sae.architecture == "topk":
+        top = pre.topk(sae.k + 1, dim=-1).values
+        cut = (top[:, -2:-1] + top[:, -1:]) / 2
+        return (pre - cut).abs()
+    return pre.abs()
+
+
+def test_features_in_the_engine_equal_sae_lens_on_transformers(toy, toy_path, saes, fidelity):
+    """The engine's dense code and error equal sae-lens's encode of transformers' residual stream."""
+    names = list(saes)
+    run = nv.generate(toy, PROMPTS, max_tokens=STEPS, layers=None, ignore_eos=True,
+                      saes=[saes[n][1] for n in names], sae_dense=True)
+    assert run.resid is None and len(run.features) == len(names) == len(run.sae_errors)
+    hf = fidelity.reference(toy_path, PROMPTS, max_tokens=STEPS, layers=[LAYER], ignore_eos=True)
+    assert run.tokens == hf.value.tokens
+    near = 0
+    for s, name in enumerate(names):
+        ref, sae = saes[name]
+        for i in range(len(PROMPTS)):
+            x = hf.value.resid[i][0]
+            got = run.features[s][i]
+            assert got.shape == (run.positions(i), sae.d_sae) and got.dtype == torch.float32
+            with torch.no_grad():
+                want = ref.encode(x)
+                want_err = (x - ref.decode(want)).norm(dim=-1)
+            assert (want > 0).any()
+            # Away from a jump, the code is continuous in x: fp32 bounds hold. A feature within 1e-3
+            # of its jump may land either side; then only that position's error may differ more.
+            steady = _margin(sae, x) > 1e-3
+            near += int((~steady).sum())
+            hf.check(torch.where(steady, got, 0), 1e-3, lambda r, w=want, m=steady: torch.where(m, w, 0),
+                     f"{name} features[{i}]")
+            rows = steady.all(dim=-1)
+            hf.check(run.sae_errors[s][i][rows], 1e-3, lambda r, w=want_err, m=rows: w[m], f"{name} error[{i}]")
+    assert near < 0.01 * sum(run.positions(i) for i in range(len(PROMPTS))) * len(names) * D_SAE
+
+
+def test_sparse_features_are_the_top_k_of_the_dense_code(toy, saes):
+    picked = [saes["standard"][1], saes["topk"][1]]
+    dense = nv.generate(toy, PROMPTS, max_tokens=STEPS, layers=None, ignore_eos=True, saes=picked, sae_dense=True)
+    sparse = nv.generate(toy, PROMPTS, max_tokens=STEPS, layers=None, ignore_eos=True, saes=picked, sae_k=5)
+    assert sparse.tokens == dense.tokens
+    for s in range(len(picked)):
+        for i in range(len(PROMPTS)):
+            ids, values = sparse.features[s][i]
+            d = dense.features[s][i]
+            assert ids.shape == values.shape == (sparse.positions(i), 5) and ids.dtype == torch.int32
+            assert torch.equal(values, d.topk(5, dim=-1).values)  # largest first, the same engine: bit-equal
+            assert torch.equal(d.gather(-1, ids.long()), values)
+            assert torch.equal(sparse.sae_errors[s][i], dense.sae_errors[s][i])
+    assert sparse.meta["saes"][1]["architecture"] == "topk" and sparse.meta["saes"][0]["k"] == 5
+
+
+def test_features_beside_the_residual_stream_are_its_encoding(toy, saes):
+    """With the residual stream captured too, the features are the SAE's encoding of exactly that."""
+    ref, sae = saes["jumprelu"]
+    run = nv.generate(toy, PROMPTS[:2], max_tokens=STEPS, layers=[0, LAYER], saes=[sae], sae_k=16, seed=3,
+                      temperature=1.0)
+    for i in range(2):
+        want_ids, want_values = sae.top_features(run.resid[i][1], 16)
+        ids, values = run.features[0][i]
+        torch.testing.assert_close(values, want_values, rtol=1e-6, atol=1e-6)
+        fires = want_values > 1e-4  # where a feature fires its id is the one the SAE picks
+        assert torch.equal(ids.long()[fires], want_ids[fires])
+        torch.testing.assert_close(run.sae_errors[0][i], sae.error_norm(run.resid[i][1]), rtol=1e-5, atol=1e-5)
+
+
+def test_an_sae_built_in_memory_is_saved_for_the_engine(toy, saes):
+    _, sae = saes["standard"]
+    copy = nv.SAE.from_state(sae.cfg, sae.tensors())  # no folder
+    assert copy.path is None
+    run = nv.generate(toy, PROMPTS[0], max_tokens=2, layers=None, saes=[copy, sae], sae_k=4)
+    assert torch.equal(run.features[0][0][1], run.features[1][0][1])
+    folder = run.meta["saes"][0]["path"]
+    assert folder != run.meta["saes"][1]["path"] and nv.SAE.load(folder).d_sae == sae.d_sae
+
+
+def test_run_with_features_saves_and_loads(toy, saes, tmp_path):
+    run = nv.generate(toy, PROMPTS[:2], max_tokens=2, layers=None, saes=[saes["topk"][1], saes["standard"][1]],
+                      sae_k=3)
+    dense = nv.generate(toy, PROMPTS[:1], max_tokens=2, layers=None, saes=[saes["topk"][1]], sae_dense=True)
+    for r in (run, dense):
+        r.save(tmp_path / "run.safetensors")
+        back = nv.Run.load(tmp_path / "run.safetensors")
+        assert back.meta["saes"] == r.meta["saes"] and len(back.features) == len(r.features)
+        for s in range(len(r.features)):
+            for i in range(len(r)):
+                a, b = r.features[s][i], back.features[s][i]
+                if isinstance(a, tuple):
+                    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                else:
+                    assert torch.equal(a, b)
+                assert torch.equal(r.sae_errors[s][i], back.sae_errors[s][i])
+    assert "features of 2 SAEs" in repr(run)
+
+
+def test_saes_that_do_not_fit_the_model_are_refused(toy, saes, tmp_path):
+    from dataclasses import replace
+
+    from sae_lens import StandardSAE, StandardSAEConfig
+
+    _, sae = saes["standard"]
+
+    small = StandardSAE(StandardSAEConfig(d_in=32, d_sae=16))
+    small.cfg.metadata.hook_name = "blocks.1.hook_resid_post"
+    small.save_model(tmp_path / "small")
+    with pytest.raises(ValueError, match="reads d_in=32 values per position, but that site is 64 wide"):
+        nv.generate(toy, PROMPTS[0], max_tokens=1, saes=[nv.SAE.load(tmp_path / "small")])
+    with pytest.raises(ValueError, match=r"layer=9, out of range for a 6-layer model \(0-5\)"):
+        nv.generate(toy, PROMPTS[0], max_tokens=1, saes=[replace(sae, layer=9)])
+    with pytest.raises(ValueError, match="router"):
+        nv.generate(toy, PROMPTS[0], max_tokens=1, saes=[replace(sae, site="router")])
+    with pytest.raises(ValueError, match=r"sae_k=0; expected an int in 1..256"):
+        nv.generate(toy, PROMPTS[0], max_tokens=1, saes=[sae], sae_k=0)
+    with pytest.raises(TypeError, match="saes must be a list of nv.SAE"):
+        nv.generate(toy, PROMPTS[0], max_tokens=1, saes=["sae_folder"])
+    # the engine is unharmed: a good call (one SAE, not in a list) still runs
+    run = nv.generate(toy, PROMPTS[0], max_tokens=1, layers=None, saes=sae)
+    assert run.features[0][0][0].shape == (run.positions(0), 32)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .features import _Features
 from .handoff import _SPARES, _handover, _ShmFiles
 from .taps import _SHARDED, _Taps, _prompt_len
 
@@ -42,7 +43,9 @@ class _Capture:
         # Edits run in the hooks, which a replayed CUDA graph skips: a capture with edits runs eagerly,
         # unless the graphs make them (steering the residual stream, see _Taps.replayable).
         edits = spec.get("edits") or []
-        self.need_eager = (any(s not in taps.in_graph for s in self.sites)
+        # SAEs armed for this capture (nv.generate(saes=...)): encoded each step from the taps' buffers
+        self.features = _Features(spec.get("saes") or [], taps.device, self.keep)
+        self.need_eager = (any(s not in taps.in_graph for s in self.sites + self.features.sites)
                            or (bool(edits) and not taps.replayable(edits))) and taps.cap > 0
         self.requests: dict[str, tuple[int, int, int, int, int]] = {}  # rid -> (arena, off, rows, loff, plen)
         self.arenas: list[dict[str, torch.Tensor]] = []
@@ -71,7 +74,8 @@ class _Capture:
             return
         item = torch.empty((), dtype=t.dtype).element_size()
         width = sum(t.widths.get(s, 0) * (t.tp if s in _SHARDED else 1) for s in self.sites)
-        need = self.hint_rows * len(self.layers) * width * item + self.hint_steps * self._vocab() * 4
+        need = (self.hint_rows * len(self.layers) * width * item + self.hint_steps * self._vocab() * 4
+                + self.hint_rows * self.features.nbytes_per_row())
         free, _ = torch.cuda.mem_get_info(t.device)
         if need > 0.9 * free:
             raise ValueError(
@@ -100,9 +104,12 @@ class _Capture:
                     w *= t.tp
                 a[s] = torch.empty(len(self.layers), rows_n + 1, w, dtype=t.dtype, device=t.device)
             a["_logits"] = torch.zeros(steps_n + 1, self._vocab(), dtype=self.logits_dtype, device=t.device)
+            a.update(self.features.allocate(rows_n, t.device))
             if self.shm is not None:  # the files the hand-off will fill (logits only when asked for)
                 for name, x in a.items():
-                    if name != "_logits":
+                    if name.startswith("_sae"):  # [rows, ...]
+                        self.shm.prepare(x[:rows_n].numel() * x.element_size())
+                    elif name != "_logits":
                         self.shm.prepare(x[:, :rows_n].numel() * x.element_size())
                     elif self.logits:
                         self.shm.prepare(steps_n * x.shape[1] * x.element_size())
@@ -145,7 +152,7 @@ class _Capture:
         dev = t.device
         # Sharded sites: all ranks gather (a collective each rank must join), rank 0 keeps.
         gathered = {}
-        for s in self.sites:
+        for s in dict.fromkeys(self.sites + self.features.sites):
             if t.tp > 1 and s in _SHARDED:
                 src = t.fired.get(s, t.static.get(s))
                 gathered[s] = _gather(src[:, :ntok], s, self.merged_gate_up)
@@ -183,6 +190,17 @@ class _Capture:
         pos = runner.positions[:ntok]
         if pos.device != dev:
             pos = pos.to(dev)
+        def source(s: str) -> torch.Tensor:  # this step's [layer, tokens, width] of site s
+            src = gathered.get(s)
+            if src is None:
+                buf = t.fired.get(s, t.static.get(s))
+                if buf is None:
+                    raise RuntimeError(f"nnvllm: no value of site {s!r} was recorded this step "
+                                       "(a replayed CUDA graph without it); load with cuda_graphs=False")
+                src = buf[:, :ntok]
+            return src
+
+        feats = self.features.encode(source)  # each SAE once over the step's rows, before placing
         arenas_here = np.unique(self.tab[:, 0])
         for k in arenas_here:
             arena = self.arenas[int(k)]
@@ -196,14 +214,10 @@ class _Capture:
                 rows_np = np.nonzero(tok_sel)[0]
                 src_rows = _to(torch.from_numpy(rows_np), dev)
                 dst = _to(torch.from_numpy(self.tab[tok_req[rows_np], 1]), dev) + pos[src_rows]
+            for name, v in feats.items():
+                arena[name].index_copy_(0, dst, v if src_rows is None else v.index_select(0, src_rows))
             for s in self.sites:
-                src = gathered.get(s)
-                if src is None:
-                    buf = t.fired.get(s, t.static.get(s))
-                    if buf is None:
-                        raise RuntimeError(f"nnvllm: no value of site {s!r} was recorded this step "
-                                           "(a replayed CUDA graph without it); load with cuda_graphs=False")
-                    src = buf[:, :ntok]
+                src = source(s)
                 if self.layer_idx is not None:
                     src = src.index_select(0, self.layer_idx)
                 if src_rows is not None:
@@ -267,6 +281,9 @@ class _Capture:
             tensors: dict[str, torch.Tensor] = {}
             for s in self.sites:
                 tensors[s] = arena[s][:, :used_rows]
+            for name in arena:
+                if name.startswith("_sae"):
+                    tensors[name] = arena[name][:used_rows]
             if self.sample is not None and used_steps:
                 t0 = _now(dev)
                 tensors.update(self._samples(arena["_logits"][:used_steps], k, reqs, tokens))
