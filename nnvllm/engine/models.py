@@ -401,11 +401,12 @@ def _buildmodel_classes():
 
 
 def default_cuda_graphs() -> bool:
-    """``cuda_graphs`` when :func:`load` is not given it: ``NNVLLM_CUDA_GRAPHS=1`` turns it on (default off)."""
-    v = os.environ.get("NNVLLM_CUDA_GRAPHS", "0").strip().lower()
+    """``cuda_graphs`` when :func:`load` is not given it: on (vLLM's CUDA graphs replay the decode
+    steps, with nnvllm's taps recorded into them); ``NNVLLM_CUDA_GRAPHS=0`` turns it off."""
+    v = os.environ.get("NNVLLM_CUDA_GRAPHS", "1").strip().lower()
     if v not in ("0", "1", "true", "false", ""):
         raise ValueError(f"NNVLLM_CUDA_GRAPHS={v!r}; expected 1 or 0")
-    return v in ("1", "true")
+    return v in ("1", "true", "")
 
 
 def exact_environment() -> None:
