@@ -32,7 +32,7 @@ Importing nnvllm imports neither vLLM nor nnsight and changes no global state.
 """
 
 from . import sampling
-from .analyses import logit_lens, patch, steering_vector
+from .analyses import attribute, logit_lens, patch, steering_vector
 from .arch import ARCHS, Arch, register_arch
 from .capture import generate
 from .compare import Discrepancy, compare
@@ -59,7 +59,7 @@ def __getattr__(name: str):
         return importlib.import_module(f"{__name__}.toy")
     raise AttributeError(f"module 'nnvllm' has no attribute {name!r}")
 
-__all__ = ["load", "engines", "EngineDied", "generate", "stream", "Stream", "Step", "Edit", "steering_vector", "collect", "reference", "logit_lens", "patch", "compare",
+__all__ = ["load", "engines", "EngineDied", "generate", "stream", "Stream", "Step", "Edit", "steering_vector", "collect", "reference", "logit_lens", "patch", "compare", "attribute",
            "Run", "Samples", "Lens", "PatchResult", "Discrepancy", "Dataset", "EngineInfo", "Arch", "ARCHS",
            "register_arch", "SAE", "sampling", "toy",
            "__version__"]

@@ -275,3 +275,98 @@ def steering_vector(model, positive: Sequence[str], negative: Sequence[str], lay
     run = generate(model, list(positive) + list(negative), max_tokens=1, layers=[layer], logits=False)
     last = torch.stack([r[0, len(p) - 1].float() for r, p in zip(run.resid, run.prompt_ids)])
     return last[: len(positive)].mean(0) - last[len(positive):].mean(0)
+
+
+def attribute(run, target: str | int, versus: str | int | None = None, *, weights=None):
+    """Direct logit attribution over a generation: each head's, each MLP's and the embedding's share of
+    ``logit[target] - logit[versus]`` at every generated step of every request.
+
+    The run must hold every block's ``z`` and ``mlp`` (``nv.generate(model, prompts, sites=["z",
+    "mlp"])``; families that norm each sublayer's output, Gemma 2/3 and OLMo 2, also ``"attn"``).
+    At step ``s`` the stream at position ``prompt_len - 1 + s`` (the one whose logits drew token
+    ``s``) is split into its components; each is read through the final norm frozen at that
+    position's own scale and the unembedding of the two tokens (TransformerLens's convention; see
+    :mod:`nnvllm.heads`). The terms sum to the logit difference the engine computed there (before a
+    final soft-cap) up to fp32 rounding: :meth:`~nnvllm.heads.Attribution.total`.
+
+    The projection runs here, on the client, from the captured z (``[step, layer, head, d_head]`` per
+    request) and the output projections ``W_O`` read from the run's checkpoint with transformers
+    (cached; in the run's dtype), or from ``weights``.
+
+    Args:
+        run: a :class:`~nnvllm.results.Run` of :func:`nnvllm.generate` (or :func:`nnvllm.reference`).
+        target: one token, as text (``" Paris"``) or an id.
+        versus: the token it is compared with, or None for the target's logit alone.
+        weights: a :class:`~nnvllm.heads.HeadWeights` to use instead of the checkpoint's.
+
+    Returns:
+        An :class:`~nnvllm.heads.Attribution`: per request ``heads [step, layer, head]``,
+        ``mlp [step, layer]``, ``embed [step]``, the bias terms, and ``logit_diff [step]``.
+
+    Example:
+        >>> run = nv.generate(model, "The capital of France is", max_tokens=3, sites=["z", "mlp"])  # doctest: +SKIP
+        >>> att = nv.attribute(run, target=" Paris", versus=" Rome")                             # doctest: +SKIP
+        >>> att.top_heads(0, step=0)        # (layer, head, logit difference it adds)             # doctest: +SKIP
+    """
+    from .arch import arch_for
+    from .heads import Attribution, HeadWeights, logit_attribution, uncap
+    from .lens import apply_norm
+    from .results import Run
+
+    if not isinstance(run, Run):
+        raise TypeError(f"run={_validate._show(run)}: expected an nnvllm.Run from nv.generate(..., sites=['z', 'mlp'])")
+    tok = getattr(run, "tokenizer", None)
+    if weights is None:
+        from .reference import load_reference
+
+        hf, hf_tok = load_reference(str(run.meta.get("model")), str(run.meta.get("dtype", "float32")).removeprefix("torch."))
+        arch = arch_for(hf.config.architectures)
+        weights = HeadWeights.from_module(hf, arch, hf.config)
+        tok = tok or hf_tok
+        post = arch.heads.post_norms is not None
+    elif not isinstance(weights, HeadWeights):
+        raise TypeError(f"weights={_validate._show(weights)}: expected an nnvllm.heads.HeadWeights or None")
+    else:
+        post = weights.post_attn is not None
+    need = ["z", "mlp"] + (["attn"] if post else [])
+    missing = [s for s in need if s not in run.sites]
+    L = weights.n_layers
+    if missing or run.resid is None or list(run.layers) != list(range(L)):
+        raise ValueError(f"attribution needs every block's {need} and residual stream; this run has sites "
+                         f"{list(run.sites)} at layers {run.layers}. Generate with sites={need} and layers='all'.")
+    vocab = weights.unembed.shape[0]
+    t_id = _single_token(tok, target, "target", vocab) if tok is not None or not isinstance(target, str) else None
+    v_id = None if versus is None else _single_token(tok, versus, "versus", vocab)
+    if t_id is None:
+        raise ValueError(f"target={target!r}: no tokenizer to read it with; pass a token id")
+    if v_id == t_id:
+        raise ValueError(f"target={target!r} and versus={versus!r} are the same token (id {t_id}); the difference "
+                         "would be 0 everywhere. Pass two different tokens, or versus=None.")
+    out: dict[str, list] = {k: [] for k in ("heads", "mlp", "attn_bias", "embed", "bias", "logit_diff")}
+    for i in range(len(run)):
+        P, T = len(run.prompt_ids[i]), len(run.tokens[i])
+        pos = torch.arange(P - 1, P - 1 + T)
+        seq = torch.tensor(run.sequence(i))
+        z = run.sites["z"][i]
+        if z.ndim == 3:  # [layer, pos, heads * d_head]
+            z = z.unflatten(-1, (run.meta.get("attention", {}).get("n_heads") or weights.w_o.shape[2] // z.shape[-1], -1))
+        resid = run.resid[i][-1].index_select(0, pos).float()
+        terms = logit_attribution(
+            weights, t_id, v_id, z=z.index_select(1, pos), mlp=run.sites["mlp"][i].index_select(1, pos),
+            resid=resid, embed=weights.embedding(seq[pos], pos),
+            attn=run.sites["attn"][i].index_select(1, pos) if post else None)
+        if run.logits is not None:
+            lg = uncap(run.logits[i], weights.soft_cap)
+            diff = lg[:, t_id] - (lg[:, v_id] if v_id is not None else 0.0)
+        else:  # the same quantity from the stream itself
+            rows = [t_id] + ([v_id] if v_id is not None else [])
+            lg = apply_norm(resid, weights.final_norm) @ weights.unembed[rows].float().T
+            if weights.unembed_bias is not None:
+                lg = lg + weights.unembed_bias[rows].float()
+            lg = lg * weights.logit_scale
+            diff = lg[:, 0] - (lg[:, 1] if v_id is not None else 0.0)
+        for k in ("heads", "mlp", "attn_bias", "embed", "bias"):
+            out[k].append(terms[k])
+        out["logit_diff"].append(diff.float())
+    labels = tuple(None if x is None else (tok.decode([x]) if tok is not None else str(x)) for x in (t_id, v_id))
+    return Attribution(target=t_id, versus=v_id, labels=labels, meta={"model": run.meta.get("model")}, **out)

@@ -10,18 +10,20 @@ sampling would have drawn differently.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
+import sys
 from typing import Sequence
 
 import torch
 
 from . import _validate
-from .arch import arch_for
+from .arch import HEAD_SITES, arch_for, attention_spec
 from .results import Run
 from .sampling import sample_stats, sampling_probs
 
-__all__ = ["reference", "load_reference"]
+__all__ = ["reference", "load_reference", "attentions"]
 
 
 def _tokens(tokens, n_prompts: int) -> list[list[int]] | None:
@@ -102,11 +104,114 @@ def no_transformers_bars():
             hf_logging.enable_progress_bar()
 
 
+# ---------------------------------------------------------------- per-head sites (q, k, v, z) and patterns
+# transformers hands each layer's q, k, v ([batch, heads, pos, d_head], after the rotary embedding) to
+# an attention function it looks up by name. A function of nnvllm's, registered once, records them
+# and runs the family's own eager attention (the exact path: scale, soft-cap, window mask, GQA), whose
+# probabilities it also records; the recorder of the current call is a context variable, so two
+# calls never share one.
+_CAPTURE_IMPL = "nnvllm_heads"
+_RECORDER: contextvars.ContextVar = contextvars.ContextVar("nnvllm_heads_recorder", default=None)
+
+
+def _recording_attention(module, query, key, value, attention_mask, **kwargs):
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(f"{type(module).__name__}: its modeling module has no eager_attention_forward, which "
+                           "nnvllm's reference runs to record q, k, v and the attention probabilities")
+    out, probs = eager(module, query, key, value, attention_mask, **kwargs)
+    record = _RECORDER.get()
+    if record is not None:
+        record(module, query, key, value, probs)
+    return out, probs
+
+
+@contextlib.contextmanager
+def _heads_recorded(model, record):
+    """Run ``model`` with :func:`_recording_attention` (eager attention, masks as eager builds them),
+    calling ``record(module, q, k, v, probs)`` for every attention layer; the model's own attention
+    implementation is restored after."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(_CAPTURE_IMPL, _recording_attention)
+    AttentionMaskInterface.register(_CAPTURE_IMPL, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    was = model.config._attn_implementation
+    token = _RECORDER.set(record)
+    model.set_attn_implementation(_CAPTURE_IMPL)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(was)
+        _RECORDER.reset(token)
+
+
+def _split_head_sites(sites) -> tuple:
+    """``sites=`` as (the per-block sites, the per-head ones of :data:`nnvllm.arch.HEAD_SITES`)."""
+    if isinstance(sites, str):
+        sites = (sites,)
+    if sites is None or not isinstance(sites, Sequence):
+        return sites, ()
+    heads = tuple(dict.fromkeys(s for s in sites if isinstance(s, str) and s in HEAD_SITES))
+    return tuple(s for s in sites if not (isinstance(s, str) and s in HEAD_SITES)), heads
+
+
+def _head_hooks(model, arch, layer_ids: list[int], wanted: Sequence[str], got: dict) -> list:
+    """z: a pre-hook on each wanted block's output projection; q, k, v come from the recorder."""
+    handles = []
+    if "z" in wanted:
+        blocks = model.get_submodule(arch.blocks)
+        for j, layer in enumerate(layer_ids):
+            mod = blocks[layer].get_submodule(arch.heads.hf_out or arch.heads.out)
+            handles.append(mod.register_forward_pre_hook(
+                lambda m, a, j=j: got.__setitem__(("z", j), a[0][0].detach().float().cpu().clone())))
+    return handles
+
+
+def _head_acts(got: dict, wanted: Sequence[str], n_layers: int, n_heads: int) -> dict:
+    """{site: [layer, pos, heads, d_head]} from what the recorder and hooks kept."""
+    acts = {}
+    for s in wanted:
+        if s == "z":
+            acts[s] = torch.stack([got[("z", j)].unflatten(-1, (n_heads, -1)) for j in range(n_layers)])
+        else:  # [1, heads, pos, d_head] -> [pos, heads, d_head]
+            acts[s] = torch.stack([got[(s, j)][0].transpose(0, 1) for j in range(n_layers)])
+    return acts
+
+
+def attentions(path: str, ids: Sequence[int], *, dtype: str = "float32", device: str = "cpu") -> torch.Tensor:
+    """transformers' eager attention probabilities (``output_attentions=True``) over ``ids``.
+
+    Returns:
+        ``[layer, heads, pos, pos]`` float32 on the CPU: the ground truth for
+        :meth:`nnvllm.Run.attention` (sdpa returns none, and drops Gemma 2's attention soft-cap, so the
+        forward runs eager attention).
+    """
+    model, _ = load_reference(str(path), dtype, str(device))
+    was = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(torch.tensor([list(ids)], device=model.device), output_attentions=True)
+    finally:
+        model.set_attn_implementation(was)
+    return torch.stack([a[0].float().cpu() for a in out.attentions])
+
+
 def _forward_capture(model, arch, ids: list[int], layer_ids: list[int], wanted: Sequence[str]):
     """One forward over ``ids`` with hooks; returns (logits [pos, vocab], {site: [layer, pos, width]})."""
     blocks = model.get_submodule(arch.blocks)
     got: dict[tuple[str, int], torch.Tensor] = {}
-    handles = []
+    heads = [s for s in wanted if s in HEAD_SITES]
+    wanted = [s for s in wanted if s not in HEAD_SITES]
+    handles = _head_hooks(model, arch, layer_ids, heads, got)
+    where = {layer: j for j, layer in enumerate(layer_ids)}
+
+    def record(module, q, k, v, probs):
+        j = where.get(getattr(module, "layer_idx", None))
+        for s, x in (("q", q), ("k", k), ("v", v)):
+            if j is not None and s in heads:
+                got[(s, j)] = x.detach().float().cpu().clone()
 
     def put(key, x):  # [1, pos, width]; a few modules (an MoE router) see the tokens flattened: [pos, width]
         got[key] = (x[0] if x.dim() == 3 else x).detach().float().cpu().clone()
@@ -126,12 +231,14 @@ def _forward_capture(model, arch, ids: list[int], layer_ids: list[int], wanted: 
             else:
                 handles.append(hook(b.get_submodule(paths) if paths else b, side, (s, j)))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), (_heads_recorded(model, record) if {"q", "k", "v"} & set(heads)
+                               else contextlib.nullcontext()):
             logits = model(torch.tensor([ids], device=model.device)).logits[0].float().cpu()
     finally:
         for h in handles:
             h.remove()
-    acts = {}
+    acts = _head_acts(got, heads, len(layer_ids), getattr(model.config, "num_attention_heads", None)
+                      or model.config.n_head) if heads else {}
     for s in wanted:
         paths, _ = arch.hf_site(s)
         if isinstance(paths, tuple):
@@ -188,6 +295,7 @@ def reference(
                                  top_k=top_k, logits=logits, ignore_eos=ignore_eos)
     max_tokens, temperature, top_p, seed, top_k, logits, ignore_eos = (checked[k] for k in (
         "max_tokens", "temperature", "top_p", "seed", "top_k", "logits", "ignore_eos"))
+    sites, head_sites = _split_head_sites(sites)
     sites = _validate.sites(sites)
     tokens = _tokens(tokens, len(prompts))
     dt = getattr(torch, dtype, None) if isinstance(dtype, str) else None
@@ -202,13 +310,16 @@ def reference(
     cfg = json.loads((Path(path) / "config.json").read_text()) if Path(path).is_dir() else model.config.to_dict()
     arch = arch_for(cfg.get("architectures"), where=repr(path))
     arch.check_sites(sites)
+    spec = attention_spec(model.config, arch) if head_sites else None  # refuses where heads cannot be read
     from . import edits as _edits
 
     edit_list = _edits.resolve(edits, arch, len(model.get_submodule(arch.blocks)), None, n_prompts=len(prompts))
     layer_ids = _validate.layers(layers, len(model.get_submodule(arch.blocks)))
     if sites and not layer_ids:
         raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
-    wanted = (("resid",) if layer_ids else ()) + sites
+    if head_sites and not layer_ids:
+        raise ValueError(f"sites={list(head_sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
+    wanted = (("resid",) if layer_ids else ()) + sites + head_sites
     vocab = model.get_input_embeddings().num_embeddings
     for i, t in enumerate(tokens or ()):
         bad = [x for x in t if not 0 <= x < vocab]
@@ -226,7 +337,8 @@ def reference(
               sampling=dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             top_k=top_k, ignore_eos=ignore_eos),
               meta=dict(engine="transformers", model=str(path), dtype=dtype, tp=1, device=str(device),
-                        **({"edits": [e.describe() for e in edit_list]} if edit_list else {})))
+                        **({"edits": [e.describe() for e in edit_list]} if edit_list else {}),
+                        **({"attention": spec.to_dict()} if spec is not None else {})))
     run.tokenizer = tok  # for labels (Run.plot); not saved with the run
     for i, prompt in enumerate(prompts):
         p_ids = tok.encode(prompt)

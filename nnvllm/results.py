@@ -126,6 +126,46 @@ class Run:
         """Token ids at request i's captured positions (prompt, then the fed-back generated ids)."""
         return list(self.prompt_ids[i]) + list(self.tokens[i][:-1])
 
+    def attention(self, layer: int, request: int = 0, heads=None, *, queries=None, budget: int = 256 << 20) -> Tensor:
+        """Return the attention pattern ``[heads, query_pos, key_pos]`` of block ``layer`` for one request.
+
+        Rebuilt from the captured ``q`` and ``k`` (``sites=["q", "k"]``) with the model's own scale,
+        causal mask, sliding window, soft-cap and grouped-query sharing (:func:`nnvllm.heads.patterns`),
+        over the prompt and every generated step: row ``p`` is what the token at position ``p``
+        attended to (the step that produced generated token ``s`` reads row ``prompt_len - 1 + s``).
+
+        Args:
+            layer: a captured block index (negative counts from the end of ``run.layers``).
+            request: the request index.
+            heads: None (every head), an int or a list of head indices.
+            queries: None (every position), a slice, or query positions.
+            budget: bytes of scores computed at once (memory only; the result does not change).
+
+        Example:
+            >>> run = nv.generate(model, "The capital of France is", sites=["q", "k"])   # doctest: +SKIP
+            >>> run.attention(3, heads=[1])[0, -1]        # head 3.1's last row: where it looks  # doctest: +SKIP
+        """
+        from .arch import AttentionSpec
+        from .heads import patterns
+
+        missing = [s for s in ("q", "k") if s not in self.sites]
+        if missing or "attention" not in self.meta:
+            raise ValueError(f"this run has no {' and '.join(missing) or 'attention description'}: patterns are "
+                             "rebuilt from the queries and keys; generate with sites=['q', 'k'] (and the layers "
+                             "you want)")
+        if isinstance(layer, bool) or not isinstance(layer, int):
+            raise TypeError(f"layer={layer!r}: expected a block index (int) among the captured layers {self.layers}")
+        if layer < 0 and -len(self.layers) <= layer:
+            layer = self.layers[layer]
+        if layer not in self.layers:
+            raise ValueError(f"layer={layer}: not captured; this run holds layers {self.layers}")
+        if isinstance(request, bool) or not isinstance(request, int) or not -len(self) <= request < len(self):
+            raise ValueError(f"request={request!r}: expected an index 0-{len(self) - 1}")
+        j = self.layers.index(layer)
+        spec = AttentionSpec.from_dict(self.meta["attention"])
+        return patterns(self.sites["q"][request][j], self.sites["k"][request][j], spec, layer, heads=heads,
+                        queries=queries, budget=budget)
+
     def to_frame(self):
         """Return one row per (request, step): the sampled token, its probability and rank-1 alternative.
 
@@ -422,7 +462,9 @@ def read_header(path: str | Path, *, fmt: str) -> tuple[dict, dict[str, str]]:
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
-        if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":
+        # A pickle starts with 0x80; so does a safetensors file whose header length is 128 mod 256,
+        # whose header (after those 8 bytes) opens with "{".
+        if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and f.read(1) != b"{"):
             raise ValueError(
                 f"{str(path)!r} is an old torch-pickle file (nnvllm < 0.2 saved runs that way), not the "
                 f"safe {fmt} format. Reading it runs whatever code it holds, so nnvllm refuses. If you "
@@ -436,6 +478,7 @@ def read_header(path: str | Path, *, fmt: str) -> tuple[dict, dict[str, str]]:
         if 8 + n > size:
             raise ValueError(f"{str(path)!r} is truncated: its header needs {8 + n} bytes, the file has "
                              f"{size}; re-create it")
+        f.seek(8)
         raw = f.read(n)
     try:
         header = json.loads(raw)
