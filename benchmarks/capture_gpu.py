@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from provenance import provenance, record, result_path  # noqa: E402
+from provenance import provenance, record, result_path
 
 SHAPES = {
     "llama1b": dict(kind="llama", layers=16, d=2048, heads=32, kv=8, d_mlp=8192, vocab=8192),

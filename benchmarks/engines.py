@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from provenance import provenance, record  # noqa: E402
+from provenance import provenance, record
 
 
 def _one(kind: str, model_path: str | None, repeats: int) -> dict:

@@ -63,7 +63,7 @@ from pathlib import Path
 from nnvllm.testing import TF32
 
 sys.path.insert(0, str(Path(__file__).parent))
-from provenance import provenance, record  # noqa: E402
+from provenance import provenance, record
 
 PROMPTS = ["The capital of France is", "The Eiffel Tower is in the city of", "Paris is the capital of"]
 MAX_TOKENS = 4

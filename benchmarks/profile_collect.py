@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from capture_gpu import build, prompts  # noqa: E402
-from provenance import provenance, record  # noqa: E402
+from capture_gpu import build, prompts
+from provenance import provenance, record
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from provenance import provenance, record  # noqa: E402
+from provenance import provenance, record
 
 
 def main() -> None:
