@@ -67,7 +67,7 @@ OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 LOGS="$OUT_DIR/logs"
 export NNVLLM_RESULTS="${NNVLLM_RESULTS:-$OUT_DIR}"
 # A vLLM general plugin (vllm-lens is one) loads into every vLLM process and nnsight's engine then
-# fails to start; the one benchmark case that wants vllm-lens sets it back itself.
+# fails to start; only capture_gpu.py's vllm_lens case gets the plugins back (bench, below).
 export VLLM_PLUGINS="" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
