@@ -35,10 +35,13 @@ def _interrupt_then_check(model, busy, delay=0.0):
     faulthandler.dump_traceback_later(120, exit=True)  # a wedged engine fails the run instead of hanging it
     try:
         t = time.perf_counter()
-        with pytest.raises(KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt) as stopped:
             _sigint_when(busy, delay)
             nv.generate(model, PROMPTS * 16, max_tokens=58, ignore_eos=True)
         assert time.perf_counter() - t < 60
+        # A notebook shows a stop the user asked for as one line (IPython's _render_traceback_).
+        shown = stopped.value._render_traceback_()
+        assert len(shown) == 1 and "engine is ready" in shown[0], shown
         again = nv.generate(model, "The capital of France is", max_tokens=3)
         assert again.text == expected
         assert again.resid[0].shape[1] == again.positions(0)

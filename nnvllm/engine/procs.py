@@ -1,5 +1,5 @@
-"""Small process and stdio helpers shared by the engine layer (``engine.py``), the isolated
-client (``isolated.py``) and its server (``server.py``): they sit below all three, so none of those
+"""Small process and stdio helpers shared by the engine floor (:mod:`nnvllm.engine`), the isolated
+client (:mod:`.isolated`) and its server (:mod:`.server`): they sit below all three, so none of those
 imports another to reach them. Standard library only at import.
 """
 
@@ -8,11 +8,23 @@ from __future__ import annotations
 import contextlib
 import sys
 
-__all__ = ["ENGINE_DIED", "TOKEN_ENV", "TOKEN_HEADER", "check_sleep", "real_stdout", "tree_rss"]
+__all__ = ["ENGINE_DIED", "Interrupted", "TOKEN_ENV", "TOKEN_HEADER", "check_sleep", "real_stdout", "tree_rss"]
 
 TOKEN_HEADER = "ndif-api-key"  # what nnsight's serve client sends
 TOKEN_ENV = "NNVLLM_TOKEN"  # how nv.load(isolate=True) hands the token over (argv is world-readable)
 ENGINE_DIED = "nnvllm: engine died"  # the 503 detail clients turn into nv.EngineDied
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (a notebook's stop button) ended a call, and the engine is ready for the next one.
+
+    A stop the user asked for is not an error to debug: IPython shows an exception that has
+    ``_render_traceback_`` as the lines it returns, so a notebook shows this one line instead of a
+    traceback through vLLM. It is still a ``KeyboardInterrupt`` to everything that catches one.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self}"]
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import time
 import uuid
 from typing import Any
@@ -412,7 +413,7 @@ def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFi
     page-locked while it is prepared, and the copy is one DMA into them), ``stage`` (DMA into a
     pinned staging buffer, then a multi-threaded copy) or ``plain`` (a pageable copy). Measured on an
     H200 (Llama-1B shape, 64 x 128, ~0.7 GB): hand-off 0.12 s with ``pin``, 0.21 s with ``stage``
-    (benchmarks/results/gpu/README.md).
+    (benchmarks/results/capture_gpu_h200.json, run ``llama1b_handover``).
     """
     if same_process:
         return {"tensors": {k: v.to("cpu") for k, v in tensors.items()}}
@@ -455,6 +456,22 @@ def returned_files() -> list[str]:
         _MAPPED.pop(p, None)
         paths.discard(p)
     return sorted(paths)
+
+
+_TAKING = threading.Lock()
+
+
+def take_returned() -> list[str]:
+    """:func:`returned_files`, for one call's spec: each file is named to one call only.
+
+    Two calls that named the same file (two threads, or a stream and a call) let the engine take it
+    back for the first, hand it over again with the first's values, and then take it back for the
+    second and write the second's values into it.
+    """
+    with _TAKING:
+        paths = returned_files()
+        _RETURNED.difference_update(paths)
+    return paths
 
 
 def _return(path: str, mapping: int) -> None:
