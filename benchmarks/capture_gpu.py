@@ -31,6 +31,8 @@ batch, then the median of ``--repeats``):
   same process also times ``model.llm.generate`` (nnvllm's engine, nothing captured) and, as
   ``<case>_tokens``, ``nv.generate`` keeping only tokens and samples (every ``nv_*`` case).
 - ``nv_eager``: the same with ``cuda_graphs=False``.
+- ``nv_default``: ``nv.load(path, dtype="float16")`` and nothing else: what a researcher gets
+  (on a GPU: an isolated engine with CUDA graphs).
 - ``nv_isolated``: ``nv.generate`` on an isolated engine (``isolate=True``, graphs on).
 - ``nv_isolated_eager``: the same with ``cuda_graphs=False``.
 - ``nv_fp32`` / ``nv_fp32_exact``: ``nv_graphs`` with the weights in fp32, without and with
@@ -156,7 +158,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             out = llm.generate(ps[:1], sp, use_tqdm=False)
             res["vllm_lens_shape"] = list(out[0].activations["residual_stream"].shape)
         return res
-    if name.startswith(("nv_graphs", "nv_eager", "nv_isolated", "nv_fp32")):
+    if name.startswith(("nv_graphs", "nv_eager", "nv_isolated", "nv_fp32", "nv_default")):
         mode = name.split("_handover_")[1] if "_handover_" in name else None
         if mode:
             os.environ["NNVLLM_HANDOVER"] = mode  # inherited by the engine's processes
@@ -164,13 +166,16 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         from nnvllm import capture
         from vllm import SamplingParams
 
-        kw = {"cuda_graphs": "eager" not in name}
+        kw = {} if name == "nv_default" else {"cuda_graphs": "eager" not in name}
         dtype = "float16"
         if name.startswith("nv_fp32"):  # fp32 weights, with and without exact=True (full-precision attention)
             dtype, kw["exact"] = "float32", name == "nv_fp32_exact"
-        model = nv.load(path, isolate=name.startswith("nv_isolated"), dtype=dtype,
-                        gpu_memory_utilization=gpu_util, **kw)
-        if not name.startswith("nv_isolated") and not mode:
+        if name == "nv_default":
+            model = nv.load(path, dtype=dtype, gpu_memory_utilization=gpu_util)
+        else:
+            model = nv.load(path, isolate=name.startswith("nv_isolated"), dtype=dtype,
+                            gpu_memory_utilization=gpu_util, **kw)
+        if not getattr(model, "_nnvllm_isolated", False) and not mode:
             sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
             res[name + "_bare"] = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), repeats)
         res[name] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True), repeats,

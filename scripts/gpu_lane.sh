@@ -186,9 +186,9 @@ bench() {
   for item in ${BENCH:-llama1b gpt2s big}; do
     case "$item" in
       llama1b) bench_item "$item" $c --name llama1b --shape llama1b --prompts 64 --tokens 128 --repeats 5 \
-                 --timeout 170 --root $root --cases bare_graphs,nv_graphs,nv_isolated ;;
+                 --timeout 170 --root $root --cases ${BENCH_CASES:-bare_graphs,nv_default,nv_graphs,nv_isolated} ;;
       gpt2s) bench_item "$item" $c --name gpt2s --shape gpt2s --prompts 64 --tokens 32 --repeats 15 \
-               --timeout 170 --root $root --cases bare_graphs,nv_graphs,nv_isolated ;;
+               --timeout 170 --root $root --cases ${BENCH_CASES:-bare_graphs,nv_default,nv_graphs,nv_isolated} ;;
       big) bench_item "$item" $c --name big --shape llama1b --big 1024 --tokens 128 --budget 8GB \
              --big-batches 256 --timeout 400 --root $root ;;
       llama1b_every_case|gpt2s_every_case)
