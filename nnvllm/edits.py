@@ -7,6 +7,7 @@ it does to each of those rows:
 - ``Edit.add(vector, layers, scale=1.0)``: ``x + scale * vector`` (steering);
 - ``Edit.set(value, layers)``: ``x = value`` (a float, e.g. 0 to ablate, or a vector);
 - ``Edit.scale(factor, layers)``: ``x * factor``;
+- ``Edit.feature(sae, feature, scale)``: ``x + scale * sae.W_dec[feature]`` at the SAE's site and layer;
 - ``Edit.patch(run, layers)``: another run's value at the same position (patching over a generation).
 
 On the engine the edits run in the same permanent hooks that record activations (worker side, no
@@ -109,6 +110,26 @@ class Edit:
     def scale(cls, factor: float, layers, *, site: str = "resid", positions: str = "all", prompts=None) -> Edit:
         """Multiply ``site`` at ``layers`` by ``factor``."""
         return cls._make("scale", site, layers, factor=factor, positions=positions, prompts=prompts)
+
+    @classmethod
+    def feature(cls, sae, feature: int, scale: float = 1.0, *, positions: str = "all", prompts=None) -> Edit:
+        """Steer by a sparse-autoencoder feature: add ``scale * sae.W_dec[feature]`` (the direction the
+        feature writes) to the SAE's site at its layer, as Neuronpedia's and sae-lens's steering do.
+
+        Args:
+            sae: an :class:`~nnvllm.SAE` (``nv.SAE.load``); its ``site`` and ``layer`` say where.
+            feature: the feature's index, 0 to ``sae.d_sae - 1``.
+            scale: how much of the direction to add (negative steers away from the feature).
+
+        Example:
+            >>> sae = nv.SAE.load("saes/blocks.3.hook_resid_post")                    # doctest: +SKIP
+            >>> nv.generate(model, "I think", edits=[nv.Edit.feature(sae, 1234, 8.0)])  # doctest: +SKIP
+        """
+        from .sae import SAE
+
+        if not isinstance(sae, SAE):
+            raise TypeError(f"sae must be an nv.SAE (nv.SAE.load(path, site=..., layer=...)), got {type(sae).__name__}")
+        return cls.add(sae.direction(feature), sae.layer, scale, site=sae.site, positions=positions, prompts=prompts)
 
     @classmethod
     def _make(cls, op, site, layers, *, vector=None, value=None, factor=1.0, positions="all", values=None,

@@ -20,7 +20,7 @@ sae_lens = pytest.importorskip("sae_lens", reason="sae-lens is in the dev extra 
 D_IN, D_SAE = 64, 256
 
 
-def _sae_lens_sae(arch: str, *, hook_name="blocks.3.hook_resid_post", seed=0, **cfg):
+def _sae_lens_sae(arch: str, *, hook_name="blocks.3.hook_resid_post", seed=0, d_in=D_IN, **cfg):
     """A random sae-lens inference SAE of ``arch`` whose every parameter is drawn (not left at init)."""
     from sae_lens import (GatedSAE, GatedSAEConfig, JumpReLUSAE, JumpReLUSAEConfig, StandardSAE,
                           StandardSAEConfig, TopKSAE, TopKSAEConfig)
@@ -28,13 +28,13 @@ def _sae_lens_sae(arch: str, *, hook_name="blocks.3.hook_resid_post", seed=0, **
     classes = {"standard": (StandardSAE, StandardSAEConfig), "jumprelu": (JumpReLUSAE, JumpReLUSAEConfig),
                "topk": (TopKSAE, TopKSAEConfig), "gated": (GatedSAE, GatedSAEConfig)}
     sae_cls, cfg_cls = classes[arch]
-    config = cfg_cls(d_in=D_IN, d_sae=D_SAE, **cfg)
+    config = cfg_cls(d_in=d_in, d_sae=D_SAE, **cfg)
     config.metadata.hook_name = hook_name
     sae = sae_cls(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sae.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim == 1 else 1.0 / D_IN ** 0.5))
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim == 1 else 1.0 / d_in ** 0.5))
         if arch == "jumprelu":  # thresholds a fraction of features pass
             sae.threshold.copy_(torch.rand(D_SAE, generator=g) * 0.5)
     return sae
@@ -229,13 +229,17 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def saes(tmp_path_factory):
-    """Three sae-lens SAEs on the toy model's residual stream after block 2, saved and loaded back."""
+    """sae-lens SAEs on the toy model, saved and loaded back: three on the residual stream after block
+    2, one on block 1's MLP activation (a column-parallel site: gathered across ranks under TP)."""
     root = tmp_path_factory.mktemp("saes")
     out = {}
     for arch, cfg in (("standard", {}), ("jumprelu", {}), ("topk", {"k": 12})):
         ref = _sae_lens_sae(arch, hook_name=f"blocks.{LAYER + 1}.hook_resid_pre", seed=7, **cfg)
         ref.save_model(root / arch)
         out[arch] = (ref, nv.SAE.load(root / arch))
+    ref = _sae_lens_sae("jumprelu", hook_name="blocks.1.mlp.hook_post", seed=8, d_in=4 * D_IN)
+    ref.save_model(root / "mlp_act")
+    out["mlp_act"] = (ref, nv.SAE.load(root / "mlp_act"))
     return out
 
 
@@ -259,28 +263,39 @@ def test_features_in_the_engine_equal_sae_lens_on_transformers(toy, toy_path, sa
     names = list(saes)
     run = nv.generate(toy, PROMPTS, max_tokens=STEPS, layers=None, ignore_eos=True,
                       saes=[saes[n][1] for n in names], sae_dense=True)
-    assert run.resid is None and len(run.features) == len(names) == len(run.sae_errors)
-    hf = fidelity.reference(toy_path, PROMPTS, max_tokens=STEPS, layers=[LAYER], ignore_eos=True)
+    assert run.resid is None and not run.sites and len(run.features) == len(names) == len(run.sae_errors)
+    assert saes["mlp_act"][1].site == "mlp_act"
+    hf = fidelity.reference(toy_path, PROMPTS, max_tokens=STEPS, layers=[1, LAYER], sites=("mlp_act",),
+                            ignore_eos=True)
     assert run.tokens == hf.value.tokens
     near = 0
     for s, name in enumerate(names):
         ref, sae = saes[name]
-        for i in range(len(PROMPTS)):
-            x = hf.value.resid[i][0]
-            got = run.features[s][i]
-            assert got.shape == (run.positions(i), sae.d_sae) and got.dtype == torch.float32
+
+        def site_in(r, i, sae=sae):  # the SAE's input in reference run r (on the CPU, where sae-lens runs)
+            per = r.resid if sae.site == "resid" else r.sites[sae.site]
+            return per[i][[1, LAYER].index(sae.layer)].float().cpu()
+
+        def code(r, i, ref=ref):
             with torch.no_grad():
-                want = ref.encode(x)
-                want_err = (x - ref.decode(want)).norm(dim=-1)
-            assert (want > 0).any()
-            # Away from a jump, the code is continuous in x: fp32 bounds hold. A feature within 1e-3
-            # of its jump may land either side; then only that position's error may differ more.
+                return ref.encode(site_in(r, i))
+
+        def error(r, i, ref=ref):
+            with torch.no_grad():
+                return (site_in(r, i) - ref.decode(ref.encode(site_in(r, i)))).norm(dim=-1)
+
+        for i in range(len(PROMPTS)):
+            x, got = site_in(hf.value, i), run.features[s][i]
+            assert got.shape == (run.positions(i), sae.d_sae) and got.dtype == torch.float32
+            assert (code(hf.value, i) > 0).any()
+            # Away from a jump the code is continuous in x and fp32 bounds hold. A feature within 1e-3
+            # of its jump may land on either side; then only that position's error may differ more.
             steady = _margin(sae, x) > 1e-3
             near += int((~steady).sum())
-            hf.check(torch.where(steady, got, 0), 1e-3, lambda r, w=want, m=steady: torch.where(m, w, 0),
+            hf.check(torch.where(steady, got, 0), 1e-3, lambda r, i=i, m=steady, c=code: torch.where(m, c(r, i), 0),
                      f"{name} features[{i}]")
             rows = steady.all(dim=-1)
-            hf.check(run.sae_errors[s][i][rows], 1e-3, lambda r, w=want_err, m=rows: w[m], f"{name} error[{i}]")
+            hf.check(run.sae_errors[s][i][rows], 1e-3, lambda r, i=i, m=rows, e=error: e(r, i)[m], f"{name} error[{i}]")
     assert near < 0.01 * sum(run.positions(i) for i in range(len(PROMPTS))) * len(names) * D_SAE
 
 
@@ -366,3 +381,54 @@ def test_saes_that_do_not_fit_the_model_are_refused(toy, saes, tmp_path):
     # the engine is unharmed: a good call (one SAE, not in a list) still runs
     run = nv.generate(toy, PROMPTS[0], max_tokens=1, layers=None, saes=sae)
     assert run.features[0][0][0].shape == (run.positions(0), 32)
+
+
+def test_steering_by_a_feature_is_the_same_addition_in_transformers(toy, toy_path, saes, fidelity):
+    """Edit.feature adds scale * W_dec[f] at the SAE's site and layer: the engine's residual stream
+    equals transformers' with the same edit made by hooks, and the feature fires more."""
+    ref, sae = saes["jumprelu"]
+    plain = nv.generate(toy, PROMPTS[:2], max_tokens=STEPS, layers=[LAYER], ignore_eos=True, saes=[sae], sae_dense=True)
+    # the feature whose decoder direction its own encoder reads most: steering raises its pre-activation
+    # by 6 x that at every position (the encoder is linear up to the activation)
+    f = int((sae.W_dec * sae.W_enc.T).sum(dim=-1).argmax())
+    edit = nv.Edit.feature(sae, f, 6.0)
+    assert (edit.op, edit.site, edit.layers) == ("add", "resid", (LAYER,))
+    assert torch.equal(edit.vector, sae.W_dec[f]) and edit.factor == 6.0
+    run = nv.generate(toy, PROMPTS[:2], max_tokens=STEPS, layers=[LAYER, LAYER + 1], ignore_eos=True, edits=[edit],
+                      saes=[sae], sae_dense=True)
+    hf = fidelity.reference(toy_path, PROMPTS[:2], max_tokens=STEPS, layers=[LAYER, LAYER + 1], ignore_eos=True,
+                            edits=[edit])
+    assert run.tokens == hf.value.tokens
+    for i in range(2):
+        hf.check(run.resid[i], 1e-3, lambda r, i=i: r.resid[i], f"steered resid[{i}]")
+        # the SAE reads the steered stream: its code is the encoding of what the Run holds
+        torch.testing.assert_close(run.features[0][i], sae.encode(run.resid[i][0]), rtol=1e-5, atol=1e-5)
+    # over the prompt (the same tokens either way) block 2's output moved by exactly 6 x W_dec[f]
+    n = len(run.prompt_ids[0])
+    torch.testing.assert_close(run.resid[0][0, :n], plain.resid[0][0, :n] + 6.0 * sae.W_dec[f], rtol=1e-5, atol=1e-5)
+    assert run.features[0][0][:, f].mean() > plain.features[0][0][:, f].mean() + 1.0
+    with pytest.raises(TypeError, match="sae must be an nv.SAE"):
+        nv.Edit.feature("folder", 3)
+    with pytest.raises(ValueError, match=r"feature must be an int in 0..255"):
+        nv.Edit.feature(sae, 256)
+
+
+@pytest.mark.slow
+def test_features_from_an_isolated_engine(toy, toy_path, saes, tp):
+    """An isolated engine (its own process; the SAE read from its folder there, the features back
+    through shared memory) gives the in-process engine's features."""
+    from conftest import engine_kwargs, same_values
+
+    picked = [saes["topk"][1], saes["mlp_act"][1]]
+    here = nv.generate(toy, PROMPTS, max_tokens=STEPS, layers=None, ignore_eos=True, saes=picked, sae_k=6)
+    iso = nv.load(toy_path, isolate=True, **engine_kwargs(tp))
+    try:
+        there = nv.generate(iso, PROMPTS, max_tokens=STEPS, layers=None, ignore_eos=True, saes=picked, sae_k=6)
+    finally:
+        iso.close()
+    assert there.tokens == here.tokens
+    for s in range(len(picked)):
+        for i in range(len(PROMPTS)):
+            assert same_values(there.features[s][i][1], here.features[s][i][1])
+            assert torch.equal(there.features[s][i][0], here.features[s][i][0])
+            assert same_values(there.sae_errors[s][i], here.sae_errors[s][i])
