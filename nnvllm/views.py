@@ -20,15 +20,24 @@ import traceback
 from .compare import Discrepancy
 
 __all__ = [
+    "compare_figure",
     "error_html",
     "figure_png",
+    "lens_figure",
     "lens_rows",
+    "lens_status_html",
     "lens_table_html",
     "live_lens_html",
+    "patch_cell_html",
+    "patch_figure",
     "per_position",
     "position_table_html",
+    "samples_figure",
+    "samples_table_html",
+    "samples_text_html",
     "step_position",
     "summary_html",
+    "tok_quoted",
     "token_options",
 ]
 
@@ -39,6 +48,12 @@ METRICS = ("max_abs", "rel_err", "cosine")  # the per-position metrics of a Disc
 def tok_html(text: str) -> str:
     """A token as HTML: escaped, whitespace kept (``white-space: pre``) so " Paris" shows its space."""
     return f"<code style='white-space:pre'>{html.escape(text)}</code>"
+
+
+def tok_quoted(text: str) -> str:
+    """A token inside a sentence, as HTML: quoted the way Python writes it (``' in'``, ``'\\n'``), so a
+    space or newline cannot vanish into the sentence around it."""
+    return f"<code style='white-space:pre'>{html.escape(repr(text))}</code>"
 
 
 def step_position(lens, step: int) -> int:
@@ -184,12 +199,17 @@ def per_position(d: Discrepancy, metric: str, layer: int):
     return rows.pivot(index="request", columns="pos", values=metric)
 
 
-def position_table_html(table, metric: str, layer: int) -> str:
+def position_table_html(table, metric: str, layer: int, exact=None) -> str:
     """The per-position table of :func:`per_position` as HTML: cosine shown as ``1 - cosine`` (a
-    cosine of 0.9999999 and of 1 both print as 1.000000000), and "n/a" where a request has no such
-    position (it is shorter, or its tokens forked earlier)."""
+    cosine of 0.9999999 and of 1 both print as 1.000000000), 0 where ``exact`` (a table of the same
+    shape, True where the numbers are identical) says so or rounding took it below 0, and "n/a"
+    where a request has no such position (it is shorter, or its tokens forked earlier)."""
     name = "1 - cosine" if metric == "cosine" else metric
-    shown = 1.0 - table if metric == "cosine" else table
+    shown = table
+    if metric == "cosine":
+        shown = (1.0 - table).clip(lower=0.0)
+        if exact is not None:
+            shown = shown.mask(exact.reindex_like(shown).fillna(False).astype(bool), 0.0)
     return (f"<b>{html.escape(name)} at layer {layer}</b> (rows: request, columns: position)"
             + shown.to_html(float_format="{:.3g}".format, na_rep="n/a", classes="nnvllm-table"))
 
@@ -215,15 +235,16 @@ def summary_html(d: Discrepancy) -> str:
     return "<table class='nnvllm-summary' style='font-size:12px'>" + "".join(rows) + "</table>"
 
 
-def error_html(exc: BaseException) -> str:
-    """Return an exception as HTML: its message in red, the traceback folded below."""
+def error_html(exc: BaseException, with_traceback: bool = True) -> str:
+    """Return an exception as HTML: its message in red, the traceback folded below (unless
+    ``with_traceback=False``, for errors whose message says all, such as a closed engine)."""
     msg = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+    out = f"<div style='color:#b00020'><b>Error:</b> <code style='white-space:pre-wrap'>{html.escape(msg)}</code></div>"
+    if not with_traceback:
+        return out
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return (
-        f"<div style='color:#b00020'><b>Error:</b> <code style='white-space:pre-wrap'>{html.escape(msg)}"
-        f"</code></div><details><summary>traceback</summary><pre style='font-size:11px'>"
-        f"{html.escape(tb)}</pre></details>"
-    )
+    return (out + "<details><summary>traceback</summary><pre style='font-size:11px'>"
+            f"{html.escape(tb)}</pre></details>")
 
 
 def figure_png(fig) -> bytes:
@@ -237,3 +258,141 @@ def figure(width: float, height: float):
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height))
+
+
+# ------------------------------------------------------------------------- what each explorer draws
+
+
+def lens_figure(lens, layer_index: int, step: int, max_positions: int = 40):
+    """The :class:`~nnvllm.widgets.LensExplorer` picture: the lens heatmap with layer ``layer_index``
+    outlined and the position that predicts generated token ``step`` dotted.
+
+    Example::
+
+        figure_png(lens_figure(lens, -1, 0))
+    """
+    from .plotting import lens_figsize
+
+    n_layer, n_pos, _ = lens.top_ids.shape
+    j = range(n_layer)[layer_index]
+    shown = min(n_pos, max_positions)
+    start = n_pos - shown
+    fig = figure(*lens_figsize(shown, n_layer))
+    ax = fig.subplots()
+    lens.plot(ax=ax, max_positions=max_positions)
+    ax.add_patch(_rect(-0.5, j - 0.5, shown, 1.0, lw=2.5))
+    pos = step_position(lens, step) if lens.generated else lens.prompt_len - 1
+    if pos >= start:
+        ax.add_patch(_rect(pos - start - 0.5, -0.5, 1.0, n_layer, lw=1.5, ls=":"))
+    ax.set_title(f"logit lens: layer {lens.layers[j]} outlined, step {step} dotted", fontsize=10)
+    return fig
+
+
+def lens_status_html(lens, layer_index: int, step: int) -> str:
+    """One line under the lens explorer: what was generated at ``step`` and what the lens at layer
+    ``layer_index`` predicts there, tokens quoted (``' is'``) so their spaces show.
+
+    Example::
+
+        lens_status_html(lens, -1, 0)   # "step 0 generated ' Paris' · layer 5, position 4 (' is'): top-1 ' Paris', p = 0.98"
+    """
+    pos = step_position(lens, step) if lens.generated else lens.prompt_len - 1
+    row = lens_rows(lens, layer_index, 1)[pos]
+    top, p = row["top"][0]
+    if lens.generated:
+        gen = lens.generated[step]
+        gen_text = lens.tokenizer.decode([gen]) if lens.tokenizer else str(gen)
+        head = f"step {step} generated {tok_quoted(gen_text)}"
+    else:
+        head = "nothing generated"
+    return (f"{head} &middot; layer {lens.layers[layer_index]}, position {pos} ({tok_quoted(row['input'])}): "
+            f"lens top-1 {tok_quoted(top)}, p = {p:.2f}")
+
+
+def patch_figure(res, layer: int, pos: int):
+    """The :class:`~nnvllm.widgets.PatchExplorer` picture: the sweep's heatmap, cell (``layer``, ``pos``) outlined."""
+    j, p = res.layers.index(layer), res.positions.index(pos)
+    fig = figure(max(6.0, 2.5 + 0.6 * len(res.positions)), max(3.0, 1.8 + 0.42 * len(res.layers)))
+    ax = fig.subplots()
+    res.plot(ax=ax)
+    ax.add_patch(_rect(p - 0.5, j - 0.5, 1.0, 1.0, lw=2.5))
+    return fig
+
+
+def patch_cell_html(res, layer: int, pos: int) -> str:
+    """One cell of a patching sweep in words: its effect, logit difference and what 0 and 1 mean."""
+    j, p = res.layers.index(layer), res.positions.index(pos)
+    return (
+        f"patching {res.site} of layer {layer} at position {pos} ({tok_quoted(res.labels[p])}): "
+        f"effect <b>{float(res.effect[j, p]):.3f}</b> (logit diff {float(res.patched_diff[j, p]):.3f}; "
+        f"clean {res.clean_diff:.3f}, corrupt {res.corrupt_diff:.3f}; 1 = clean answer "
+        f"{tok_quoted(res.answer)} restored, 0 = no change)"
+    )
+
+
+def compare_figure(d: Discrepancy, metric: str, layer: int):
+    """The :class:`~nnvllm.widgets.CompareView` picture: ``metric`` per layer (``layer`` marked) and, on
+    the same y axis, per position at that layer; ``cosine`` is drawn as ``1 - cosine`` on the log
+    axis, exact zeros marked "exact" (:func:`nnvllm.plotting.log_metric`)."""
+    from .plotting import log_metric
+
+    fig = figure(8.0, 3.2)  # 10 in was clipped in JupyterLab with the file browser open
+    ax_l, ax_p = fig.subplots(1, 2, sharey=True)
+    if len(d.resid) == 0:
+        ax_l.text(0.5, 0.5, "no residual stream compared", ha="center", transform=ax_l.transAxes)
+        return fig
+    name = "1 - cosine" if metric == "cosine" else metric
+    per_layer = d.per_layer(metric)
+    table = per_position(d, metric, layer)
+    worst = table.min(axis=0) if metric == "cosine" else table.max(axis=0)
+    if metric == "cosine":  # 1 - cosine, and 0 where the numbers are identical (the rounding aside)
+        per_layer = (1.0 - per_layer).where(d.per_layer("max_abs") != 0, 0.0)
+        worst = (1.0 - worst).where(per_position(d, "max_abs", layer).max(axis=0) != 0, 0.0)
+    log_metric(ax_l, per_layer.index.to_numpy(), per_layer.to_numpy(dtype=float), "o-")
+    log_metric(ax_p, worst.index.to_numpy(), worst.to_numpy(dtype=float), "s-")
+    ax_l.axvline(layer, color=HIGHLIGHT, lw=2)
+    ax_l.set_xticks(per_layer.index.to_numpy())
+    ax_p.set_xticks(worst.index.to_numpy())
+    ax_l.set_ylabel(f"{name} (log)")  # the right panel shares this axis: one label
+    ax_l.set_xlabel("layer")
+    ax_p.set_xlabel("position")
+    ax_l.set_title(f"worst {name} per layer ({plain_title(d.names[0])} vs {plain_title(d.names[1])})", fontsize=9)
+    ax_p.set_title(f"layer {layer}: worst {name} per position over requests", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def samples_figure(run, tokenizer):
+    """The :class:`~nnvllm.widgets.SamplesExplorer` picture: :func:`nnvllm.plotting.plot_samples` of request 0."""
+    from .plotting import plot_samples
+
+    fig = figure(max(6.0, 1.5 + 0.5 * len(run.samples[0])), 3.6)
+    plot_samples(run, 0, ax=fig.subplots(), tokenizer=tokenizer)
+    return fig
+
+
+def samples_text_html(run, tokenizer) -> str:
+    """Request 0's prompt and continuation, each generated token shaded by its probability."""
+    s = run.samples[0]
+    pieces = "".join(
+        f"<span title='p={float(q):.3f}' style='background:rgba(31,119,180,{0.15 + 0.6 * float(q):.2f})'>"
+        f"{html.escape(tokenizer.decode([int(t)]))}</span>"
+        for t, q in zip(s.ids.tolist(), s.probs)
+    )
+    return f"<div style='white-space:pre-wrap'>{html.escape(run.prompts[0])}{pieces}</div>"
+
+
+def samples_table_html(run, tokenizer) -> str:
+    """One row per generated step: the token drawn, its probability, the top-1 token and its probability."""
+    frame = run.to_frame()
+    # repr: a table cell would drop a token's leading space
+    frame.insert(3, "token", [repr(tokenizer.decode([int(t)])) for t in frame["token_id"]])
+    frame["top1"] = [repr(tokenizer.decode([int(t)])) for t in frame["top1_id"]]
+    return frame[["step", "token", "prob", "top1", "top1_prob"]].to_html(
+        index=False, float_format="{:.3f}".format, classes="nnvllm-table")
+
+
+def _rect(x, y, w, h, lw=2.0, ls="-"):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((x, y), w, h, fill=False, edgecolor=HIGHLIGHT, linewidth=lw, linestyle=ls, clip_on=False)

@@ -15,8 +15,11 @@ import torch
 import nnvllm as nv
 from nnvllm.lens import Lens, Norm, Unembed
 from nnvllm.views import (
+    compare_figure,
     error_html,
+    lens_figure,
     lens_rows,
+    lens_status_html,
     lens_table_html,
     live_lens_html,
     per_position,
@@ -24,7 +27,7 @@ from nnvllm.views import (
     summary_html,
     token_options,
 )
-from nnvllm.widgets import CompareView, LensExplorer, LiveGeneration, PatchExplorer, SamplesExplorer
+from nnvllm.widgets import CompareView, EngineClosed, LensExplorer, LiveGeneration, PatchExplorer, SamplesExplorer
 
 CLEAN, CORRUPT = "The capital of France is", "The capital of Italy is"
 
@@ -139,13 +142,77 @@ def test_compare_view_on_synthetic_runs():
     assert view.png != first and "rel_err at layer 1" in view.table.value
     view.metric.value = "cosine"
     assert "cosine at layer 1" in view.table.value
+    ax_l, ax_p = view.figure.axes
+    assert ax_l.get_ylabel() == "1 - cosine (log)" and ax_p.get_ylabel() == ""  # one label, shared y axis
+    assert ax_p in ax_l.get_shared_y_axes().get_siblings(ax_l)
     view.b.value = "other prompts"  # an error, shown in the widget, not raised
     assert "same prompts" in view.error.value and isinstance(view.last_error, ValueError)
     assert view.discrepancy is None
+    # Nothing of the last pair stays on show: no picture, no tables, and the slider draws nothing stale.
+    assert view.plot.outputs == () and view.png is None and view.table.value == view.summary.value == ""
+    view.layer.value = 0
+    assert view.png is None and view.drawn == {}
     view.b.value = "perturbed"  # recovers
     assert view.error.value == "" and view.last_error is None and view.discrepancy is not None
+    assert view.drawn == {"a": "ref", "b": "perturbed", "metric": "cosine", "layer": 0}
     with pytest.raises(TypeError, match="dict"):
         CompareView([_run()])
+
+
+def test_compare_view_marks_exact_zeros_instead_of_rounding():
+    # Layer 0 and most positions are identical in the two runs: 1 - cosine there is exactly 0, drawn as
+    # "exact" on the floor of the log axis, never as -2.2e-16 or 1e-16.
+    view = CompareView({"ref": _run(), "perturbed": _run(perturb=1.0)}, metric="cosine")
+    ax_l, ax_p = view.figure.axes
+    data = [ln for ln in ax_l.lines if ln.get_transform() == ax_l.transData]
+    assert len(data) == 1 and torch.isnan(torch.tensor(data[0].get_ydata()[0])) and data[0].get_ydata()[1] > 0
+    assert [t.get_text() for t in ax_l.texts] == ["exact"] and ax_l.get_ylim()[0] > 1e-9
+    assert "e-16" not in view.table.value and "e-17" not in view.table.value
+    view.layer.value = 1  # position 2 differs at layer 1; the others are exact
+    assert [t.get_text() for t in view.figure.axes[1].texts] == ["exact", "exact"]
+
+
+def test_compare_view_draws_the_sliders_current_value():
+    """Whatever order values arrive in (one by one, batched by hold_sync as a browser's message is, or
+    with notifications held), the picture and ``drawn`` are those of the controls' values now."""
+    view = CompareView({"ref": _run(), "perturbed": _run(perturb=1.0)})
+    for v in (1, 0, 1):
+        view.layer.value = v
+        assert view.drawn["layer"] == view.layer.value == v
+        assert view.figure.axes[1].get_title().startswith(f"layer {v}:")
+    with view.layer.hold_sync():
+        view.layer.value = 0
+        view.metric.value = "max_abs"
+    assert (view.drawn["layer"], view.drawn["metric"]) == (0, "max_abs")
+    with view.layer.hold_trait_notifications(), view.metric.hold_trait_notifications():
+        view.layer.value = 1
+        view.metric.value = "rel_err"
+    assert (view.drawn["layer"], view.drawn["metric"]) == (1, "rel_err")
+    assert "rel_err at layer 1" in view.table.value and view.figure.axes[0].lines[-1].get_xdata()[0] == 1
+
+
+def test_lens_views_quote_tokens_and_follow_the_layer():
+    lens = make_lens()
+    status = lens_status_html(lens, -1, 0)
+    # A token in a sentence is quoted so its space shows: "position 4 (' is'): lens top-1 ' Paris'".
+    assert "step 0 generated <code style='white-space:pre'>&#x27; Paris&#x27;</code>" in status
+    assert "position 4 (<code style='white-space:pre'>&#x27; is&#x27;</code>)" in status
+    assert "lens top-1 <code style='white-space:pre'>&#x27; Paris&#x27;</code>, p = " in status
+    fig = lens_figure(lens, 1, 1)
+    (ax, _) = fig.axes  # the heatmap and its colour bar
+    assert ax.get_title() == "logit lens: layer 1 outlined, step 1 dotted"
+    outline, dots = ax.patches
+    assert outline.get_y() == 0.5 and dots.get_x() == step_position(lens, 1) - 0.5
+    assert [t.get_text() for t in ax.get_xticklabels()][:2] == ["The", "␣capital"]
+
+
+def test_steering_vector_names_the_users_argument(toy):
+    n = toy.n_layers
+    with pytest.raises(ValueError, match=rf"^layer=10: expected one block index of this {n}-layer model") as e:
+        nv.steering_vector(toy, [CORRUPT], [CLEAN], layer=10)
+    assert "layers" not in str(e.value)
+    with pytest.raises(TypeError, match=r"^layer=\[3\]: expected one block index"):
+        nv.steering_vector(toy, [CORRUPT], [CLEAN], layer=[3])
 
 
 def test_only_widgets_imports_ipywidgets():
@@ -174,12 +241,17 @@ def test_lens_explorer(toy):
     row = ex.table.value.split(f"data-pos='{last_prompt_pos}'")[1].split("</tr>")[0]
     first_cell = row.split("<td style='padding:0 6px;white-space:nowrap'>")[1]
     assert first_cell.startswith("<code style='white-space:pre'> Paris</code>")
-    assert f"at layer {toy.n_layers - 1}" in ex.status.value and " Paris" in ex.status.value
+    assert f"layer {toy.n_layers - 1}, position {last_prompt_pos}" in ex.status.value
+    assert "lens top-1 <code style='white-space:pre'>&#x27; Paris&#x27;</code>" in ex.status.value
+    assert ex.drawn == {"layer": toy.n_layers - 1, "step": 0}
 
     ex.top_k.value = 2
     assert ex.table.value.count("<th>top ") == 2 and ex.draws == 2  # table only
     ex.step.value = 1
     assert ex.position == last_prompt_pos + 1 and ex.draws == 3
+    with ex.layer.hold_sync():  # one message from the browser carrying the new value
+        ex.layer.value = 2
+    assert ex.drawn == {"layer": 2, "step": 1} and ex.figure.axes[0].get_title().startswith("logit lens: layer 2 ")
 
     ex.prompt.value = ""  # a bad prompt: the error shows in the widget, the old lens stays
     ex.run_button.click()
@@ -207,11 +279,14 @@ def test_patch_explorer(toy):
     assert (ex.cell_layer.value, ex.cell_pos.value) == res.best()[:2]
     before = ex.png
     ex.cell_layer.value, ex.cell_pos.value = 0, 3
-    assert ex.png != before and "layer 0 at position 3" in ex.cell.value
+    assert ex.png != before and "layer 0 at position 3 (<code style='white-space:pre'>&#x27; France&#x27;" in ex.cell.value
+    assert ex.drawn == {"layer": 0, "pos": 3}
 
+    done = (ex.progress.value, ex.progress.max)
     ex.answer.value = "Paris France"  # two tokens: error in the widget, result kept
     ex.run_button.click()
     assert "2 tokens" in ex.error.value and ex.result is res
+    assert (ex.progress.value, ex.progress.max) == done  # the bar still tells the kept sweep's story
     assert "e.g. &#x27; Paris&#x27;" in ex.error.value or "e.g. ' Paris'" in ex.error.value  # a one-token hint
 
     ex.answer.value = " Paris"
@@ -309,5 +384,38 @@ def test_live_generation_streams_and_stops(toy):
     done = LiveGeneration(toy, "The capital of France is", max_tokens=3, ignore_eos=True, layers=[0, -1])
     assert done.wait(60).tokens == nv.generate(toy, "The capital of France is", max_tokens=3, ignore_eos=True).tokens
     assert done.status.value == "done: 3 token(s)" and done.panel.value.count("<tr>") == 3
+    assert done.replay_button.disabled is False and done.stop_button.disabled
+    first = done.run
+    done.replay_button.click()  # the same generation again, shown from the start
+    again = done.wait(60)
+    assert again is not first and again.tokens == first.tokens and done.replays == 1
+    assert done.status.value == "done: 3 token(s)" and len(done.steps) >= 1 and done.last_error is None
     with pytest.raises(ValueError, match="pace"):
         LiveGeneration(toy, "x", pace=-1)
+
+
+def test_explorers_after_the_engine_is_closed(toy):
+    """After ``model.close()`` (a notebook's last cell) every explorer stays usable: what re-reads a
+    result still redraws, and what needs the engine says "engine closed — re-run the load cell" in
+    one line, no traceback. Runs last in this file: it closes the shared toy engine (the next file
+    that asks for one starts it again)."""
+    lens_ex = LensExplorer(toy, CLEAN, max_tokens=3)
+    samples_ex = SamplesExplorer(toy, CLEAN, max_tokens=2, temperature=0.0)
+    patch_ex = PatchExplorer(toy, CLEAN, CORRUPT, " Paris", " Rome")
+    live = LiveGeneration(toy, CLEAN, max_tokens=2)
+    live.wait(60)
+    kept = live.run
+    toy.close()
+
+    draws = lens_ex.draws
+    lens_ex.layer.value = 1  # re-reads the kept lens: no engine needed
+    assert lens_ex.draws == draws + 1 and lens_ex.drawn["layer"] == 1 and lens_ex.error.value == ""
+    for ex in (lens_ex, samples_ex, patch_ex):
+        ex.run_button.click()
+        assert isinstance(ex.last_error, EngineClosed), ex
+        assert "engine closed — re-run the load cell" in ex.error.value and "<details>" not in ex.error.value
+        assert not ex.run_button.disabled
+    assert lens_ex.lens is not None and samples_ex.run is not None and patch_ex.result is None
+    live.replay_button.click()
+    assert live.status.value == "engine closed" and "re-run the load cell" in live.error.value
+    assert live.run is kept and live.replays == 0 and not live.replay_button.disabled
