@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -21,7 +22,7 @@ from torch import Tensor
 from nnvllm.compare import Discrepancy, compare
 from nnvllm.lens import Lens, Norm, Unembed, apply_norm, lens_prob_of, lens_topk, project
 from nnvllm.patching import PatchResult, logit_diff, normalized_effect, plan
-from nnvllm.plotting import plot_compare, plot_lens, plot_patch, plot_samples
+from nnvllm.plotting import lens_figsize, log_metric, plot_compare, plot_lens, plot_patch, plot_samples, show_token
 from nnvllm.results import Run, Samples
 
 D_MODEL, D_VOCAB = 8, 13
@@ -464,7 +465,104 @@ def test_plot_compare():
     assert len(ax.lines) == 3 and ax.get_yscale() == "log"
     assert "fork at step 1" in ax.get_title()
     ax_same = plot_compare(compare(a, a))
-    assert len(ax_same.lines) == 3 and "fork" not in ax_same.get_title()
+    assert "fork" not in ax_same.get_title()
+    # Identical runs: every value is an exact 0, drawn as floor markers labelled "exact", not at 1e-16.
+    data = [ln for ln in ax_same.lines if ln.get_transform() == ax_same.transData]
+    assert len(data) == 3 and all(np.isnan(ln.get_ydata()).all() for ln in data)
+    assert any(t.get_text() == "exact" for t in ax_same.texts)
+
+
+class WordTokenizer:
+    """Tokenizer stand-in with long, special and whitespace tokens: id t <-> WORDS[t % 13]."""
+
+    WORDS = ("official", "<|endoftext|>", " is", "\n", " ", "a", " Paris", "Kenya", "$x", "\t", "ab cd", "xyz", "Q")
+
+    def decode(self, ids):
+        return "".join(self.WORDS[int(t) % len(self.WORDS)] for t in ids)
+
+
+def word_lens(n_layer=6, n_pos=10, prompt_len=5) -> Lens:
+    """A lens whose top-1 tokens run through every word of WordTokenizer, cell by cell."""
+    tok = WordTokenizer()
+    top_ids = torch.arange(n_layer * n_pos * 2).reshape(n_layer, n_pos, 2) % len(tok.WORDS)
+    top_probs = torch.linspace(0.05, 0.95, n_layer * n_pos * 2).reshape(n_layer, n_pos, 2)
+    return Lens(top_ids=top_ids, top_probs=top_probs, layers=list(range(n_layer)),
+                labels=[tok.decode([p]) for p in range(n_pos)], prompt_len=prompt_len,
+                resid=torch.zeros(n_layer, n_pos, D_MODEL), unembed=make_unembed(), tokenizer=tok,
+                generated=list(range(prompt_len, n_pos)))
+
+
+def test_show_token_makes_whitespace_visible():
+    assert show_token(" is") == "␣is" and show_token("\n") == "↵" and show_token("\t") == "⇥"
+    assert show_token(" ") == "␣" and show_token("") == "''" and show_token("\x00") == "\\x00"
+    assert show_token("$x") == r"\$x" and show_token("<|endoftext|>", 8) == "<|endof…"
+
+
+@pytest.mark.parametrize("figsize", [None, (8, 4.5), (7, 3)])  # plot_lens's own size; notebooks 01 and 05
+def test_lens_cell_labels_fit_inside_their_cells(figsize):
+    lens = word_lens()
+    ax = plot_lens(lens) if figsize is None else plot_lens(lens, ax=plt.subplots(figsize=figsize)[1])
+    if figsize is None:
+        assert tuple(ax.figure.get_size_inches()) == lens_figsize(10, 6)
+    ax.figure.canvas.draw()
+    renderer = ax.figure.canvas.get_renderer()
+    cells = ax.texts
+    assert len(cells) == 6 * 10
+    for t in cells:
+        c, j = t.get_position()
+        (x0, y0), (x1, y1) = ax.transData.transform([(c - 0.5, j - 0.5), (c + 0.5, j + 0.5)])
+        bb = t.get_window_extent(renderer)
+        assert x0 <= bb.x0 and bb.x1 <= x1 and y0 <= bb.y0 and bb.y1 <= y1, (t.get_text(), figsize)
+        assert t.get_fontsize() >= 6.5
+    texts = {t.get_text().replace("\n", "") for t in cells}
+    # Whitespace tokens are visible, and a word as long as "official" is shown whole at these sizes.
+    assert {"␣is", "↵", "␣", "⇥", "␣Paris", "official", "ab␣cd"} <= texts
+    if figsize is None:  # the size plot_lens picks shows even <|endoftext|> whole (on two lines)
+        assert "<|endoftext|>" in texts and not any(t.endswith("…") for t in texts)
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert ticks[2:5] == ["␣is", "↵", "␣"]
+
+
+def test_log_metric_marks_exact_zeros_and_clips_rounding():
+    _, ax = plt.subplots()
+    # 1 - cosine of identical vectors can come out as -2.2e-16: that is 0, and 0 is "exact".
+    log_metric(ax, [0, 1, 2, 3, 4], [-2.2e-16, 0.0, 1e-6, 1e-3, 0.0], label="1 - cosine")
+    (line, floor) = ax.lines
+    assert np.isnan(line.get_ydata()[[0, 1, 4]]).all() and list(line.get_ydata()[2:4]) == [1e-6, 1e-3]
+    assert list(floor.get_xdata()) == [0, 1, 4] and floor.get_transform() != ax.transData
+    assert sorted(t.get_position()[0] for t in ax.texts if t.get_text() == "exact") == [0.5, 4.0]  # one per run
+    lo, hi = ax.get_ylim()
+    assert 1e-9 < lo < 1e-6 and 1e-3 < hi < 1e-1  # the range follows the nonzero values, not 1e-16
+
+
+def test_plot_compare_side_by_side_shares_one_y_label():
+    a = make_run()
+    b = copy.deepcopy(a)
+    b.resid[0] += 1e-3 * torch.randn_like(b.resid[0])
+    fig, axes = plt.subplots(1, 2, sharey=True)
+    plot_compare(compare(a, b), ax=axes[0])
+    plot_compare(compare(a, a), ax=axes[1])
+    assert axes[0].get_ylabel() and axes[1].get_ylabel() == ""
+    _, alone = plt.subplots()
+    assert plot_compare(compare(a, b), ax=alone).get_ylabel()
+
+
+def test_plot_samples_legend_leaves_the_bars_free():
+    run = make_run(steps=8)
+    run.samples[1].probs[:] = 1.0  # bars up to the top, where a legend inside would sit
+    fig, ax = plt.subplots(figsize=(8, 3.5))  # notebook 02's size
+    plot_samples(run, 1, ax=ax, tokenizer=WordTokenizer())
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    legend = ax.get_legend().get_window_extent(r)
+    axes_box = ax.get_window_extent(r)
+    assert legend.x0 >= axes_box.x1  # right of the Axes
+    for bar in ax.patches:
+        assert not legend.overlaps(bar.get_window_extent(r))
+    for note in ax.texts:  # names of tokens passed over stay inside the Axes
+        assert axes_box.contains(*note.get_window_extent(r).p0) and axes_box.contains(*note.get_window_extent(r).p1)
+    assert [t.get_text() for t in ax.get_xticklabels()][:2] == [show_token(WordTokenizer().decode([t]), 14)
+                                                                 for t in run.tokens[1][:2]]
 
 
 def test_plot_samples():
