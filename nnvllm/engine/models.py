@@ -288,14 +288,38 @@ def _buildmodel_classes():
         checkpoint: str
 
         def _load_meta(self, repo_id: str, **kwargs: Any):
-            from .compat import tolerant_meta_weight_processing
+            from .compat import tolerant_meta_weight_processing, transformers_classes_kept
 
             kwargs.pop("cuda_graphs", None)
             kwargs.pop("exact", None)
-            with tolerant_meta_weight_processing():
+            with tolerant_meta_weight_processing(), transformers_classes_kept(meta=True):
                 module = super()._load_meta(repo_id, **kwargs)
             untie_shared_modules(module)
             return module
+
+        def _load(self, repo_id: str, **kwargs: Any):
+            from .compat import transformers_classes_kept
+            from .transport import model_lock
+
+            with transformers_classes_kept():  # the user's transformers stays as it was (compat)
+                module = super()._load(repo_id, **kwargs)
+            model_lock(self)  # one call drives an in-process engine at a time (transport.EngineLock)
+            return module
+
+        def trace(self, *inputs: Any, **kwargs: Any):
+            # The trace holds an in-process engine from building its invokes to collecting its saves
+            # (transport.EngineLock): two threads tracing one engine corrupted it.
+            from . import transport
+
+            if kwargs.get("tracer_cls") is None and transport.model_lock(self) is not None:
+                kwargs["tracer_cls"] = transport.SerialTracer
+            return super().trace(*inputs, **kwargs)
+
+        def _generate(self, *inputs: Any, **kwargs: Any):
+            from .transport import holding
+
+            with holding(self, "model.generate"):
+                return super()._generate(*inputs, **kwargs)
 
         @property
         def n_layers(self) -> int:

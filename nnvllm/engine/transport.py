@@ -22,6 +22,9 @@ What a capture *is* — the worker RPCs and their order, the per-prompt ``Sampli
 output as plain data, a stream's bookkeeping (:class:`StreamBook`) — is defined once, here, and
 used by both. The activations never travel through either: the worker hands them over in shared
 memory and the hand-off names the files.
+
+One call drives an in-process engine at a time (:class:`EngineLock`): vLLM's ``LLM`` is not
+thread-safe, and two threads stepping one engine corrupted its scheduler and the process's heap.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import signal
 import threading
 import time
 
-__all__ = ["PROMPT_TAG", "InProcessEngine", "StreamBook", "engine_of", "pack", "plain_output", "sampling_params", "unpack"]
+__all__ = ["PROMPT_TAG", "EngineBusy", "EngineLock", "InProcessEngine", "StreamBook", "engine_lock", "engine_of", "pack",
+           "plain_output", "sampling_params", "unpack"]
 
 # Where the last capture's client-side time went (benchmarks): the arm RPC, the engine's generate,
 # the collect RPC (hand-off included); isolated: the HTTP call. generate() reports them as client_*.
@@ -167,28 +171,192 @@ def _no_raw_prompt_warning() -> None:
         log.addFilter(_Drop())
 
 
+class EngineBusy(RuntimeError):
+    """A call on an in-process engine from the thread whose own earlier call on it has not finished:
+    a stream (``nv.stream``) still being iterated, or a call made from inside one."""
+
+
+class EngineLock:
+    """Turn-taking on one in-process engine: one call drives it at a time.
+
+    vLLM's ``LLM`` is not thread-safe: two threads calling ``nv.generate`` on one engine aborted the
+    process (``malloc_consolidate(): invalid chunk size``) or wedged it, and a ``LiveGeneration``
+    streaming in its thread while ``nv.generate`` ran in the next cell broke vLLM's scheduler state.
+    So every call that drives the engine holds it for its whole length: ``nv.generate`` (arm,
+    generate, collect), a stream from its first step to its end, ``model.trace`` / ``with
+    model.generate`` (from building the invokes to collecting the saves), a plain
+    ``model.generate(...)``, ``sleep`` / ``wake``.
+
+    - A call from **another thread** waits its turn, then runs: both calls get the answers they would
+      have got one after the other. (Ctrl-C ends a wait; a stream being iterated by another thread
+      is waited for until it ends, is stopped, or is left.)
+    - A call from **the thread that holds the engine** raises :class:`EngineBusy` at once: that
+      thread's stream is suspended between two steps (a ``for`` loop over ``nv.stream`` not
+      finished, or a call made in its body), and waiting would wait for ever. Finish the stream,
+      ``break`` out of it, or call its ``stop()`` and finish the loop; then call again.
+    - Worker RPCs (``engine.collective_rpc``: the unembedding a stream's steps read, nnsight's
+      ``model.edit`` registrations, a user's own) wait for a call running in another thread and go
+      through from the thread that holds the engine: between two steps the worker is idle.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread holding the engine
+        self._what = ""  # the call holding it (for EngineBusy's message)
+
+    @property
+    def held(self) -> bool:
+        return self._owner is not None
+
+    def _acquire(self, what: str) -> None:
+        while not self._lock.acquire(timeout=0.1):  # short waits: Ctrl-C ends a long one
+            pass
+        self._owner, self._what = threading.get_ident(), what
+
+    def _release(self) -> None:
+        self._owner, self._what = None, ""
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def call(self, what: str):
+        """Hold the engine for a call (``what`` names it in the busy message)."""
+        if self._owner == threading.get_ident():
+            raise EngineBusy(
+                f"{what} cannot run on this engine now: {self._what}, started in this thread, has not "
+                "finished (a stream's loop left suspended between steps, or a call made inside one). "
+                "Finish that stream (iterate it to the end), break out of its loop, or call its stop() "
+                "and finish the loop; then call again. Calls from other threads wait their turn.")
+        self._acquire(what)
+        try:
+            yield
+        finally:
+            self._release()
+
+    @contextlib.contextmanager
+    def rpc(self):
+        """Hold the engine for one worker RPC, unless this thread holds it already."""
+        if self._owner == threading.get_ident():
+            yield
+            return
+        self._acquire("a worker RPC")
+        try:
+            yield
+        finally:
+            self._release()
+
+
+_LOCKS_MADE = threading.Lock()
+
+
+def engine_lock(llm) -> EngineLock:
+    """The :class:`EngineLock` of an in-process ``vllm.LLM`` (made on first use; from then on its
+    engine's ``collective_rpc`` goes through :meth:`EngineLock.rpc`)."""
+    lock = getattr(llm, "_nnvllm_lock", None)
+    if lock is not None:
+        return lock
+    with _LOCKS_MADE:
+        lock = getattr(llm, "_nnvllm_lock", None)
+        if lock is None:
+            lock = EngineLock()
+            _guard_rpcs(llm.llm_engine, lock)
+            llm._nnvllm_lock = lock
+    return lock
+
+
+def _guard_rpcs(eng, lock: EngineLock) -> None:
+    import weakref
+
+    real = type(eng).collective_rpc
+    ref = weakref.ref(eng)  # (no cycle from the engine to itself through this function)
+
+    def collective_rpc(*args, **kwargs):
+        with lock.rpc():
+            return real(ref(), *args, **kwargs)
+
+    eng.collective_rpc = collective_rpc
+
+
+def model_lock(model) -> EngineLock | None:
+    """The :class:`EngineLock` of ``model``'s engine if it runs in this process as a ``vllm.LLM``;
+    None for an isolated (or closed) model, and for the isolated server's own async engine."""
+    llm = getattr(model, "vllm_entrypoint", None)
+    if llm is None or getattr(model, "_async_engine", False) or not hasattr(llm, "llm_engine"):
+        return None
+    return engine_lock(llm)
+
+
+@contextlib.contextmanager
+def holding(model, what: str):
+    """Hold ``model``'s in-process engine for a call (:meth:`EngineLock.call`); nothing to hold otherwise."""
+    lock = model_lock(model)
+    if lock is None:
+        yield
+        return
+    with lock.call(what):
+        yield
+
+
+def _serial_tracer_class():
+    """nnsight's ``VLLMTracer`` whose ``execute`` (building the invokes, running them on the engine,
+    collecting the saves) holds the engine: what ``model.trace`` and ``with model.generate`` build."""
+    from nnsight.modeling.vllm.tracer import VLLMTracer
+
+    class SerialTracer(VLLMTracer):
+        def execute(self, code) -> None:
+            with holding(self.envoy, "model.trace"):
+                super().execute(code)
+
+    # importable as nnvllm.engine.transport.SerialTracer (module __getattr__): pickled by reference
+    SerialTracer.__module__, SerialTracer.__qualname__ = __name__, "SerialTracer"
+    return SerialTracer
+
+
+def __getattr__(name: str):
+    if name == "SerialTracer":  # built on first use: importing this module must not import nnsight
+        cls = globals().get("_SERIAL_TRACER")
+        if cls is None:
+            cls = globals()["_SERIAL_TRACER"] = _serial_tracer_class()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _take_returned(spec: dict) -> dict:
+    """``spec`` naming the recycled hand-off files this process has let go of, each handed to this
+    call only (:func:`nnvllm.engine.worker.handoff.take_returned`): two calls naming one file let the
+    engine hand it over to the first and write the second's values into it."""
+    if "returned" not in spec:
+        return spec
+    from .worker.handoff import take_returned
+
+    return {**spec, "returned": take_returned()}
+
+
 class InProcessEngine:
-    """The engine in this process (``model.llm``), called directly."""
+    """The engine in this process (``model.llm``), called directly, one call at a time (:class:`EngineLock`)."""
 
     def __init__(self, model) -> None:
         llm = model.llm
         if llm is None:
             raise RuntimeError("this model was closed; load it again with nv.load(...)")
         self.llm = llm
+        self.lock = engine_lock(llm)
 
     def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
         """Arm the worker, generate, collect: (plain outputs, the worker's hand-off)."""
-        t0 = time.perf_counter()
-        self.llm.collective_rpc(ARM, args=(spec,))
-        t1 = time.perf_counter()
-        try:
-            with interruptible(self.llm):
-                outputs = [plain_output(o) for o in self.llm.generate(prompts, sampling_params(params), use_tqdm=False)]
-        except BaseException:
-            self.llm.collective_rpc(DISARM)
-            raise
-        t2 = time.perf_counter()
-        handoff = self.llm.collective_rpc(COLLECT, args=(collect_tokens(outputs), os.getpid()))[0]
+        with self.lock.call("nv.generate"):
+            spec = _take_returned(spec)
+            t0 = time.perf_counter()
+            self.llm.collective_rpc(ARM, args=(spec,))
+            t1 = time.perf_counter()
+            try:
+                with interruptible(self.llm):
+                    outputs = [plain_output(o) for o in self.llm.generate(prompts, sampling_params(params),
+                                                                          use_tqdm=False)]
+            except BaseException:
+                self.llm.collective_rpc(DISARM)
+                raise
+            t2 = time.perf_counter()
+            handoff = self.llm.collective_rpc(COLLECT, args=(collect_tokens(outputs), os.getpid()))[0]
         CLIENT_TIMINGS.update(arm=t1 - t0, generate=t2 - t1, collect=time.perf_counter() - t2)
         return outputs, handoff
 
@@ -196,7 +364,12 @@ class InProcessEngine:
         """:meth:`capture`, step by step: yields ``("step", outputs so far, peek)`` after each engine
         step (``peek``: the worker's new rows, ``CaptureWorker.nnvllm_peek``), then ``("done",
         outputs, hand-off)``. ``stop`` set: the requests are aborted (once each has begun) and the
-        call ends with what was produced. Closing the generator early aborts and disarms."""
+        call ends with what was produced. Closing the generator early aborts and disarms. The engine
+        is held from the first step to the end (:class:`EngineLock`)."""
+        with self.lock.call("a stream (nv.stream, LiveGeneration)"):
+            yield from self._stream(prompts, params, _take_returned(spec), stop)
+
+    def _stream(self, prompts: list[str], params, spec: dict, stop: threading.Event):
         import uuid
 
         _no_raw_prompt_warning()
@@ -230,7 +403,8 @@ class InProcessEngine:
                     self.llm.collective_rpc(DISARM)
 
     def unembed(self, final_norm: str, unembed: str) -> list[dict]:
-        """Each TP rank's final norm and unembedding slice (see ``CaptureWorker.nnvllm_unembed``)."""
+        """Each TP rank's final norm and unembedding slice (see ``CaptureWorker.nnvllm_unembed``); a
+        read the worker answers between a stream's steps too (:meth:`EngineLock.rpc`)."""
         import pickle
 
         return [pickle.loads(b) for b in self.llm.collective_rpc(UNEMBED, args=(final_norm, unembed))]
@@ -248,10 +422,12 @@ class InProcessEngine:
                 bool(getattr(self.llm.llm_engine.model_config, "enable_sleep_mode", False)))
 
     def sleep(self, level: int) -> None:
-        self.llm.sleep(level)
+        with self.lock.call("model.sleep()"):
+            self.llm.sleep(level)
 
     def wake(self) -> None:
-        self.llm.wake_up()
+        with self.lock.call("model.wake()"):
+            self.llm.wake_up()
 
 
 @contextlib.contextmanager
