@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .arch import SITES
+from .arch import HEAD_SITES, SITES
 
 __all__ = ["DTYPES", "SEED_MAX", "boolean", "checkpoint", "dtype", "engine_args", "engine_fits", "fits_context",
            "integer", "layers", "number", "parse_bytes", "prompts", "request_seed", "request_seeds", "rng_seed",
@@ -204,7 +204,7 @@ def layers(value: Any, n_layers: int, name: str = "layers") -> list[int]:
 
 def sites(value: Any, name: str = "sites") -> tuple[str, ...]:
     """Extra per-block sites: a name, a list of names from ``SITES[1:]``, or ``None``/``()`` for none."""
-    allowed = [s for s in SITES if s != "resid"]
+    allowed = [s for s in SITES if s != "resid"] + list(HEAD_SITES)
     expected = f"expected a list of names from {allowed}"
     if value is None:
         return ()

@@ -235,15 +235,18 @@ class Arch:
 
     def check_sites(self, names) -> None:
         """Raise a ValueError naming what this family offers if a site is not one of its sites."""
-        missing = [n for n in names if n not in self.sites]
+        missing = [n for n in names if n not in self.sites and not (n in HEAD_SITES and self.heads is not None)]
         if missing:
             why = []
+            if set(HEAD_SITES) & set(missing):
+                why.append("its attention is not read per head")
             if "router" in missing:
                 why.append("only a mixture-of-experts family has a router")
             if {"mlp_in", "mlp_act"} & set(missing) and "router" in self.sites:
                 why.append("a mixture-of-experts block has no single MLP activation to read")
             raise ValueError(
                 f"sites={list(missing)!r}: the {self.family} family offers {[s for s in SITES if s in self.sites]}"
+                + (f" and the per-head sites {list(HEAD_SITES)}" if self.heads is not None else "")
                 + (f" ({'; '.join(why)})" if why else ""))
 
     def hf_site(self, name: str) -> tuple[str | tuple[str, ...], str]:

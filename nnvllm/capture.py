@@ -215,7 +215,8 @@ def _assemble(model, req: _Request, outputs: list[dict], handoff: dict | None) -
               sites={s: [] for s in wanted if s != "resid"}, sampling=dict(req.sampling),
               meta=dict(engine="vllm", model=model.checkpoint, dtype=info["dtype"], tp=info["tp"],
                         **({"edits": [e.describe() for e in req.edit_list]} if req.edit_list else {}),
-                        **({"saes": [_describe(x, sp) for x, sp in zip(req.saes, req.sae_specs)]} if req.saes else {})),
+                        **({"saes": [_describe(x, sp) for x, sp in zip(req.saes, req.sae_specs)]} if req.saes else {}),
+                        **(handoff.get("meta") or {})),  # the engine's attention spec, with q/k/v/z
               features=[[] for _ in req.sae_specs], sae_errors=[[] for _ in req.sae_specs])
     run.tokenizer = getattr(model, "tokenizer", None)  # for labels (Run.plot); not saved with the run
     for out in outputs:

@@ -22,7 +22,7 @@ import torch
 
 from .features import _Features
 from .handoff import _SPARES, _handover, _ShmFiles
-from .taps import _SHARDED, _Taps, _prompt_len
+from .taps import _HEAD_SITES, _Taps, _prompt_len
 
 class _Capture:
     """One armed capture: its arena (request-major rows) and the per-step placement."""
@@ -31,6 +31,9 @@ class _Capture:
         self.taps = taps
         self.layers = list(spec["layers"])
         self.sites = [s for s in spec["sites"]]
+        if any(s in _HEAD_SITES for s in self.sites) and not taps.heads.get("core"):
+            raise ValueError(f"sites={[s for s in self.sites if s in _HEAD_SITES]}: "
+                             f"{taps.heads.get('error') or 'this model has no per-head sites'}")
         self.keep = taps.rank == 0
         self.logits = spec.get("logits", True)
         self.sample = spec.get("sample")  # dict(temperature, top_p, k) or None
@@ -73,7 +76,7 @@ class _Capture:
         if t.device.type != "cuda" or not self.keep or not self.hint_rows:
             return
         item = torch.empty((), dtype=t.dtype).element_size()
-        width = sum(t.widths.get(s, 0) * (t.tp if s in _SHARDED else 1) for s in self.sites)
+        width = sum(t.full_width(s) if s in t.widths else 0 for s in self.sites)
         need = (self.hint_rows * len(self.layers) * width * item + self.hint_steps * self._vocab() * 4
                 + self.hint_rows * self.features.nbytes_per_row())
         free, _ = torch.cuda.mem_get_info(t.device)
@@ -99,17 +102,13 @@ class _Capture:
             t = self.taps
             a: dict[str, torch.Tensor] = {}
             for s in self.sites:
-                w = t.width.get(s) or t.widths[s]
-                if s in _SHARDED:
-                    w *= t.tp
+                w = t.full_width(s)
                 a[s] = torch.empty(len(self.layers), rows_n + 1, w, dtype=t.dtype, device=t.device)
             a["_logits"] = torch.zeros(steps_n + 1, self._vocab(), dtype=self.logits_dtype, device=t.device)
             a.update(self.features.allocate(rows_n, t.device))
             if self.shm is not None:  # the files the hand-off will fill (logits only when asked for)
                 for name, x in a.items():
-                    if name.startswith("_sae"):  # [rows, ...]
-                        self.shm.prepare(x[:rows_n].numel() * x.element_size())
-                    elif name != "_logits":
+                    if name != "_logits":
                         self.shm.prepare(x[:, :rows_n].numel() * x.element_size())
                     elif self.logits:
                         self.shm.prepare(steps_n * x.shape[1] * x.element_size())
@@ -153,9 +152,10 @@ class _Capture:
         # Sharded sites: all ranks gather (a collective each rank must join), rank 0 keeps.
         gathered = {}
         for s in dict.fromkeys(self.sites + self.features.sites):
-            if t.tp > 1 and s in _SHARDED:
+            if t.sharded(s):
                 src = t.fired.get(s, t.static.get(s))
-                gathered[s] = _gather(src[:, :ntok], s, self.merged_gate_up)
+                gathered[s] = _gather(src[:, :ntok], s, self.merged_gate_up,
+                                      t.kv_take() if s in ("k", "v") else None, t.heads.get("head_size"))
         if not self.keep or self.error is not None:
             return
         try:
@@ -214,8 +214,8 @@ class _Capture:
                 rows_np = np.nonzero(tok_sel)[0]
                 src_rows = _to(torch.from_numpy(rows_np), dev)
                 dst = _to(torch.from_numpy(self.tab[tok_req[rows_np], 1]), dev) + pos[src_rows]
-            for name, v in feats.items():
-                arena[name].index_copy_(0, dst, v if src_rows is None else v.index_select(0, src_rows))
+            for name, v in feats.items():  # [G, tokens, ...]: like a site's [layer, tokens, width]
+                arena[name].index_copy_(1, dst, v if src_rows is None else v.index_select(1, src_rows))
             for s in self.sites:
                 src = source(s)
                 if self.layer_idx is not None:
@@ -281,9 +281,11 @@ class _Capture:
             tensors: dict[str, torch.Tensor] = {}
             for s in self.sites:
                 tensors[s] = arena[s][:, :used_rows]
+                if s in _HEAD_SITES:  # [layer, pos, heads, d_head]: a view
+                    tensors[s] = tensors[s].unflatten(-1, (-1, t.heads["head_size"]))
             for name in arena:
                 if name.startswith("_sae"):
-                    tensors[name] = arena[name][:used_rows]
+                    tensors[name] = arena[name][:, :used_rows]
             if self.sample is not None and used_steps:
                 t0 = _now(dev)
                 tensors.update(self._samples(arena["_logits"][:used_steps], k, reqs, tokens))
@@ -293,7 +295,10 @@ class _Capture:
             t0 = _now(dev)
             out["arenas"].append(_handover(tensors, same_process, self.shm, self.timings))
             self.timings["handover"] = self.timings.get("handover", 0.0) + _now(dev) - t0
+        if any(s in _HEAD_SITES for s in self.sites):  # for the Run's meta: what Run.attention rebuilds with
+            out["meta"] = {"attention": t.heads["spec"]}
         out["timings"] = dict(self.timings)
+        out["sae_groups"] = self.features.where()
         out["stats"] = dict(self.stats)
         out["taken_back"] = list(self.taken_back)
         return out
@@ -346,9 +351,20 @@ def _to(x: torch.Tensor, dev) -> torch.Tensor:
     return x
 
 
-def _gather(x: torch.Tensor, site: str, merged_gate_up: bool) -> torch.Tensor:
+def _gather(x: torch.Tensor, site: str, merged_gate_up: bool, kv_take: torch.Tensor | None = None,
+            head_size: int | None = None) -> torch.Tensor:
+    """``[layer, tokens, width]`` of every rank, in the model's order along the width.
+
+    Per-head sites: rank ``r`` holds heads ``[r * n, (r + 1) * n)`` of q and z, and its KV heads of k
+    and v, so the concatenation is the model's head order; with fewer KV heads than ranks each KV
+    head sits on ``tp / n_kv_heads`` ranks and ``kv_take`` keeps one copy. (Gathering a fused QKV
+    projection's output instead would interleave ``[q_r, k_r, v_r]`` per rank: not the model's layout.)
+    """
     from vllm.distributed import tensor_model_parallel_all_gather
 
+    if kv_take is not None:
+        full = tensor_model_parallel_all_gather(x.contiguous(), -1)
+        return full.unflatten(-1, (-1, head_size)).index_select(-2, kv_take).flatten(-2)
     if site == "mlp_in" and merged_gate_up:
         # Merged gate_up: each rank holds [gate_r, up_r]; the full width is [gate..., up...].
         g, u = x.chunk(2, dim=-1)

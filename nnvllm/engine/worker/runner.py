@@ -14,7 +14,7 @@ import torch
 
 from .arena import _Capture
 from .handoff import _SPARES, sweep_stale, watch_server
-from .taps import _site_widths, _Taps
+from .taps import _site_widths, _Taps, head_layout
 
 class RecordingRunner:
     """Model-runner mixin (first in the MRO): installs the taps at load, places rows each step.
@@ -36,7 +36,8 @@ class RecordingRunner:
         from ...arch import arch_for
 
         a = arch_for(self.model_config.architectures).in_engine(self.get_model())
-        arch = {"family": a.family, "blocks": a.blocks, "sites": dict(a.sites), "merged_gate_up": a.merged_gate_up}
+        arch = {"family": a.family, "blocks": a.blocks, "sites": dict(a.sites), "merged_gate_up": a.merged_gate_up,
+                "heads": head_layout(a, self.get_model(), self.model_config.hf_config)}
         cap = 0
         if self.device.type == "cuda" and not self.model_config.enforce_eager:
             sizes = getattr(self, "cudagraph_batch_sizes", None) or []

@@ -7,7 +7,16 @@ refills the buffer with no Python at all. In an eager step (prefill, a batch lar
 the CPU backend) the hook runs and does the same copy. Edits land in place at the same hooks.
 
 Under tensor parallelism every rank runs the taps; the sites that are one rank's slice
-(``_SHARDED``) are all-gathered once per step (:mod:`.arena`), and rank 0 keeps the record.
+(``_SHARDED``, and the per-head sites: each rank holds its heads) are all-gathered once per step
+(:mod:`.arena`), and rank 0 keeps the record.
+
+The per-head sites (``q``, ``k``, ``v``, ``z``; :data:`nnvllm.arch.HEAD_SITES`) are read where vLLM's
+attention layer receives q, k and v (after the rotary embedding) and at the input of the attention's
+output projection (z), each flat ``[tokens, heads * d_head]`` like any site. A native vLLM model calls
+its ``Attention`` layer as a module (a forward pre-hook reads the three); under vLLM's Transformers
+backend transformers' attention module calls vLLM's attention function, registered as ``"vllm"`` with
+transformers, which calls the layer's ``forward`` directly (no module hook fires), so that function
+is wrapped once per process (:func:`_backend_attention`) and finds the taps of the calling module.
 """
 
 from __future__ import annotations
@@ -20,6 +29,10 @@ import torch
 
 # Column-parallel outputs: each TP rank holds a slice of the width.
 _SHARDED = ("mlp_in", "mlp_act")
+_HEAD_SITES = ("q", "k", "v", "z")  # each TP rank holds its heads (KV heads: replicated where fewer than ranks)
+# Under the Transformers backend: id(transformers' attention module) -> (taps, layer), for the wrapped
+# attention function (one model per worker process; a new install replaces the entries).
+_BACKEND: dict[int, tuple] = {}
 # Static buffers for graph replay are kept under this many bytes per engine; sites that would not
 # fit are recorded by running the steps of a capture that asks for them eagerly.
 STATIC_BUDGET = int(os.environ.get("NNVLLM_STATIC_BUDGET", 2 << 30))
@@ -57,12 +70,61 @@ class _Taps:
                 else:
                     self.handles.append(mod.register_forward_pre_hook(self._input_hook(site, j)))
             self.sites.append(site)
+        self.heads = arch.get("heads") or {}
+        if self.heads.get("core"):
+            self._install_heads(blocks)
         self.in_graph: set[str] = set()  # sites whose copy is recorded in the CUDA graphs
         self.edits: list[dict] = []  # armed edits (see arm_edits); the hooks make them in eager steps
         # [layer, width]: what every replayed CUDA graph adds to each block's residual stream (zero
         # unless steering edits are armed): steering at graph speed (see replayable).
         self.gadd: torch.Tensor | None = None
         self._prompt_rows: tuple | None = None  # this forward's (position, is-prompt, is-generated) per row
+
+    # ---- per-head sites
+    def _install_heads(self, blocks) -> None:
+        h = self.heads
+        for j in range(self.n_layers):
+            core = blocks[j].get_submodule(h["core"])
+            if h.get("backend"):
+                _backend_attention()
+                _BACKEND[id(blocks[j].get_submodule(h["core"].rsplit(".", 1)[0]))] = (self, j)
+            else:
+                self.handles.append(core.register_forward_pre_hook(self._qkv_hook(j), with_kwargs=True))
+            out = blocks[j].get_submodule(h["out"])
+            self.handles.append(out.register_forward_pre_hook(self._input_hook("z", j)))
+        self.sites.extend(_HEAD_SITES)
+
+    def _qkv_hook(self, j: int):
+        def hook(module, args, kwargs):
+            qkv = list(args[:3]) + [kwargs.get(n) for n in ("query", "key", "value")[len(args[:3]):]]
+            self.write_qkv(j, *qkv)
+        return hook
+
+    def write_qkv(self, j: int, q, k, v) -> None:
+        for site, x in (("q", q), ("k", k), ("v", v)):
+            if x is not None:
+                self._write(site, j, x.reshape(x.shape[0], -1) if x.dim() != 2 else x)
+
+    def sharded(self, site: str) -> bool:
+        """Whether each TP rank holds a slice of ``site``'s width (gathered once per step)."""
+        return self.tp > 1 and (site in _SHARDED or site in _HEAD_SITES)
+
+    def full_width(self, site: str) -> int:
+        """``site``'s width once gathered over the TP ranks (KV heads replicated over ranks count once)."""
+        w = self.width.get(site) or self.widths[site]
+        if not self.sharded(site):
+            return w
+        if site in ("k", "v"):
+            return self.heads["n_kv_heads"] * self.heads["head_size"]
+        return w * self.tp
+
+    def kv_take(self) -> torch.Tensor | None:
+        """After gathering k or v over the ranks: which gathered heads are the model's KV heads, in order
+        (with fewer KV heads than ranks, rank ``r`` holds KV head ``r // (tp / n_kv_heads)``)."""
+        n_kv = self.heads["n_kv_heads"]
+        if n_kv >= self.tp:
+            return None
+        return torch.arange(n_kv, device=self.device) * (self.tp // n_kv)
 
     # ---- edits (nv.generate(..., edits=[...]))
     def replayable(self, edits: list[dict]) -> bool:
@@ -246,6 +308,50 @@ def _prompt_len(st: Any) -> int:
     return len(st.prompt_token_ids) if st.prompt_token_ids is not None else int(st.num_prompt_tokens)
 
 
+def head_layout(arch: Any, model: Any, config: Any) -> dict:
+    """What the taps need of a family's heads (:class:`nnvllm.arch.Heads`) in this engine's model:
+    module paths, whether the Transformers backend calls the attention layer, head counts and width,
+    and the :class:`~nnvllm.arch.AttentionSpec` for the client; ``{"error": why}`` where the family's
+    attention cannot be read per head (``attention_spec`` refuses it)."""
+    from ...arch import attention_spec
+
+    if arch.heads is None:
+        return {"error": f"the {arch.family} family's attention is not read per head (its Arch has heads=None)"}
+    try:
+        spec = attention_spec(config, arch)
+    except ValueError as e:
+        return {"error": str(e)}
+    blocks = model.get_submodule(arch.blocks)
+    try:
+        blocks[0].get_submodule(arch.heads.core)
+        blocks[0].get_submodule(arch.heads.out)
+    except AttributeError:
+        return {"error": f"vLLM's {type(model).__name__} has no {arch.heads.core!r} or {arch.heads.out!r} in its "
+                         "blocks, where the family's Heads put the attention layer and its output projection"}
+    return {"core": arch.heads.core, "out": arch.heads.out, "backend": type(model).__name__.startswith("Transformers"),
+            "n_heads": spec.n_heads, "n_kv_heads": spec.n_kv_heads, "head_size": spec.d_head,
+            "spec": spec.to_dict()}
+
+
+def _backend_attention() -> None:
+    """Wrap the attention function vLLM's Transformers backend registers with transformers (once)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    inner = ALL_ATTENTION_FUNCTIONS["vllm"]
+    if getattr(inner, "_nnvllm", False):
+        return
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        found = _BACKEND.get(id(module))
+        if found is not None:  # [1, heads, tokens, d_head] -> [tokens, heads * d_head]
+            taps, j = found
+            taps.write_qkv(j, *(x[0].transpose(0, 1) for x in (query, key, value)))
+        return inner(module, query, key, value, attention_mask, **kwargs)
+
+    attention._nnvllm = True
+    ALL_ATTENTION_FUNCTIONS["vllm"] = attention
+
+
 def _site_widths(model: Any, arch: dict, tp: int) -> dict[str, int]:
     """Per-rank widths of each site, from the module shapes (no forward needed)."""
     blocks = model.get_submodule(arch["blocks"])
@@ -260,6 +366,11 @@ def _site_widths(model: Any, arch: dict, tp: int) -> dict[str, int]:
         # vLLM's parallel linear layers know their per-rank sizes (weights may be repacked).
         attr = "output_size_per_partition" if side == "output" else "input_size_per_partition"
         out[site] = getattr(mod, attr, None) or getattr(mod, "output_size" if side == "output" else "input_size", None)
+    h = arch.get("heads") or {}
+    if h.get("core"):  # this rank's heads: vLLM's attention layer knows them
+        core = blocks[0].get_submodule(h["core"])
+        out["q"] = out["z"] = core.num_heads * core.head_size
+        out["k"] = out["v"] = core.num_kv_heads * core.head_size
     return {k: v for k, v in out.items() if v}
 
 
