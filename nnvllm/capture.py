@@ -243,9 +243,11 @@ def _assemble(model, req: _Request, outputs: list[dict], handoff: dict | None) -
             t = a[s][:, rec["off"]:rec["off"] + n_pos]  # a view: no copy per request
             (run.resid if s == "resid" else run.sites[s]).append(t)
         off = rec["off"]
-        for j, spec in enumerate(req.sae_specs):  # views, as the sites
-            run.features[j].append(a[f"_sae{j}_dense"][off:off + n_pos] if spec["k"] is None else
-                                   (a[f"_sae{j}_ids"][off:off + n_pos], a[f"_sae{j}_values"][off:off + n_pos]))
-            run.sae_errors[j].append(a[f"_sae{j}_error"][off:off + n_pos])
+        for j, spec in enumerate(req.sae_specs):  # views, as the sites; SAEs of one kind share a tensor
+            g, m = handoff["sae_groups"][j]
+            rows = slice(off, off + n_pos)
+            run.features[j].append(a[f"_sae{g}_dense"][m, rows] if spec["k"] is None else
+                                   (a[f"_sae{g}_ids"][m, rows], a[f"_sae{g}_values"][m, rows]))
+            run.sae_errors[j].append(a[f"_sae{g}_error"][m, rows])
     return run
 

@@ -41,7 +41,7 @@ import tempfile
 import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
@@ -261,11 +261,16 @@ class SAE:
     # ------------------------------------------------------------------ shape and placement
     @property
     def d_in(self) -> int:
-        return int(self.W_enc.shape[0])
+        return int(self.W_enc.shape[-2])
 
     @property
     def d_sae(self) -> int:
-        return int(self.W_enc.shape[1])
+        return int(self.W_enc.shape[-1])
+
+    def _row_norms(self) -> Tensor:
+        """``|W_dec[f]|`` per feature, shaped to broadcast over positions (also for :func:`stack`)."""
+        n = self.W_dec.norm(dim=-1)
+        return n if self.W_dec.ndim == 2 else n.unsqueeze(-2)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -330,7 +335,7 @@ class SAE:
             gate = ((sae_in @ self.W_enc + self.b_gate) > 0).to(self.dtype)
             return gate * torch.relu(pre)
         if self.rescale_acts_by_decoder_norm:
-            pre = pre * self.W_dec.norm(dim=-1)
+            pre = pre * self._row_norms()
         values, ids = torch.topk(pre, k=self.k, dim=-1, sorted=False)
         return torch.zeros_like(pre).scatter_(-1, ids, values.relu())
 
@@ -358,7 +363,7 @@ class SAE:
         if self.finetuning_scaling_factor is not None:
             acts = acts * self.finetuning_scaling_factor
         if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
-            acts = acts * (1 / self.W_dec.norm(dim=-1))
+            acts = acts * (1 / self._row_norms())
         out = acts @ self.W_dec + self.b_dec
         if undo is not None:
             scale, shift = undo
@@ -435,6 +440,37 @@ class SAE:
         extra = f", k={self.k}" if self.k is not None else ""
         return (f"SAE({self.architecture}, site={self.site!r}, layer={self.layer}, d_in={self.d_in}, "
                 f"d_sae={self.d_sae}{extra}, dtype={str(self.dtype).removeprefix('torch.')})")
+
+
+def stack(saes: Sequence[SAE], device: str | torch.device | None = None) -> SAE:
+    """Several SAEs of one kind as one: each weight gains a leading SAE axis (biases ``[G, 1, width]``),
+    and :meth:`SAE.encode` / :meth:`SAE.encode_with_error` take ``[G, pos, d_in]``, SAE ``g`` encoding
+    row ``g``: one batched matmul instead of one per SAE (the engine's per-step encode).
+
+    The SAEs must share architecture, widths, dtype and input options (:func:`stack_key`)."""
+    first = saes[0]
+    keys = {stack_key(x) for x in saes}
+    if len(keys) != 1:
+        raise ValueError(f"stack() takes SAEs of one kind (architecture, d_in, d_sae, dtype, input options); got {keys}")
+    device = device or first.device
+
+    def stacked(name: str) -> Tensor | None:
+        parts = [getattr(x, name) for x in saes]
+        if parts[0] is None:
+            return None
+        out = torch.empty((len(parts), *parts[0].shape), dtype=first.dtype, device=device)
+        for g, t in enumerate(parts):
+            out[g].copy_(t)
+        return out if out.ndim == 3 else out.unsqueeze(1)  # biases broadcast over positions
+
+    names = ("W_enc", "W_dec", "b_dec", "b_enc", "threshold", "b_gate", "b_mag", "r_mag", "finetuning_scaling_factor")
+    return replace(first, hook_name=None, path=None, cfg={}, **{n: stacked(n) for n in names})
+
+
+def stack_key(sae: SAE) -> tuple:
+    """What SAEs must share to be stacked (:func:`stack`)."""
+    return (sae.architecture, sae.d_in, sae.d_sae, sae.dtype, str(sae.device), sae.k, sae.apply_b_dec_to_input,
+            sae.normalize_activations, sae.rescale_acts_by_decoder_norm, sae.finetuning_scaling_factor is None)
 
 
 def resolve(saes, arch, n_layers: int, widths: dict[str, int], k: int, dense: bool) -> list[dict]:

@@ -1,16 +1,17 @@
-"""SAE features at the taps: each armed SAE encodes its site's rows once per engine step, on the device.
+"""SAE features at the taps: the armed SAEs encode their sites' rows once per engine step, on the device.
 
 A capture with ``saes`` (:func:`nnvllm.generate`) arms one :class:`_Features`. After each forward the
 taps hold every block's value of each site for the step's rows (a static buffer a replayed CUDA graph
-refilled, or the buffer an eager hook wrote); :meth:`_Features.encode` runs each SAE over its layer's
-rows (one matmul, the activation, a top-k: a handful of kernels per SAE per step, no per-request
-Python) and the arena places the results like any site (:mod:`.arena`): per row the top-``k`` feature
-ids (int32) and activations, or the dense code when asked, and the reconstruction error's norm. Only
-these cross to the client: 32 features of a 16k-feature SAE are 256 bytes per position against
-4 KB of a d=2048 residual row in fp16.
+refilled, or the buffer an eager hook wrote). SAEs of one kind (:func:`nnvllm.sae.stack_key`: the
+usual case, one SAE per layer of a release) run as one group: their layers' rows are gathered into
+``[G, tokens, d_in]`` and encoded by one batched matmul, so the Python and kernel launches per step do
+not grow with the number of SAEs. Per row the group keeps the top-``k`` feature ids (int32) and
+activations, or the dense code when asked, and the reconstruction error's norm; the arena places
+these like any site (:mod:`.arena`) and only they cross to the client: 32 features of a
+16k-feature SAE are 256 bytes per position against 4 KB of a d=2048 residual row in fp16.
 
-SAEs are read from their folders (:meth:`nnvllm.SAE.load`) on the rank that keeps the record and kept
-on the device between calls (:data:`_CACHE`, keyed by folder, file time and dtype).
+SAEs are read from their folders (:meth:`nnvllm.SAE.load`) on the rank that keeps the record, stacked
+on the device, and kept there between calls (:data:`_CACHE`, keyed by folders, file times and dtype).
 """
 
 from __future__ import annotations
@@ -20,73 +21,109 @@ from typing import Any
 
 import torch
 
-# (folder, weights mtime, dtype, device) -> SAE on the device; holds the SAEs of the last call only.
+# group key -> stacked SAE on the device; holds the groups of the last call only.
 _CACHE: dict[tuple, Any] = {}
+# Rows encoded at once: the dense code of a chunk stays under this many bytes (a prefill step of
+# thousands of tokens times many 16k-feature SAEs would otherwise need gigabytes at once).
+CHUNK_BYTES = int(os.environ.get("NNVLLM_SAE_CHUNK_BYTES", 512 << 20))
 
 
-def _load(spec: dict, device) -> Any:
-    from ...sae import WEIGHTS_FILENAME, SAE
+def _member_key(spec: dict, device) -> tuple:
+    from ...sae import WEIGHTS_FILENAME
 
-    path = spec["path"]
-    mtime = os.stat(os.path.join(path, WEIGHTS_FILENAME)).st_mtime_ns
-    key = (path, mtime, spec["dtype"], str(device))
-    sae = _CACHE.get(key)
-    if sae is None:
-        sae = SAE.load(path, site=spec["site"], layer=spec["layer"], dtype=spec["dtype"], device=device)
-    return key, sae
+    mtime = os.stat(os.path.join(spec["path"], WEIGHTS_FILENAME)).st_mtime_ns
+    return (spec["path"], mtime, spec["site"], spec["layer"], spec["dtype"], str(device))
+
+
+class _Group:
+    """SAEs of one kind, one site and one output form, encoded together."""
+
+    def __init__(self, members: list[int], sae: Any, site: str, layers: list[int], k: int | None, device) -> None:
+        self.members = members  # indices into the call's SAE list
+        self.sae = sae  # stacked (nnvllm.sae.stack)
+        self.site = site
+        self.layers = torch.tensor(layers, dtype=torch.long, device=device)
+        self.k = k
 
 
 class _Features:
-    """The armed SAEs of one capture: what they read and, on the keeping rank, the SAEs themselves."""
+    """The armed SAEs of one capture: what they read and, on the keeping rank, their groups."""
 
     def __init__(self, specs: list[dict], device, keep: bool) -> None:
         self.specs = list(specs)
         self.sites = sorted({s["site"] for s in self.specs})  # every rank gathers these under TP
-        self.saes: list[Any] = []
+        self.groups: list[_Group] = []
         if keep and self.specs:
-            loaded = [_load(s, device) for s in self.specs]
-            _CACHE.clear()
-            _CACHE.update(loaded)
-            self.saes = [sae for _, sae in loaded]
+            self._build(device)
+
+    def _build(self, device) -> None:
+        from ...sae import SAE, stack, stack_key
+
+        keys = [_member_key(s, device) for s in self.specs]
+        plan: dict[tuple, list[int]] = {}
+        loaded: dict[int, Any] = {}
+        for i, spec in enumerate(self.specs):
+            sae = SAE.load(spec["path"], site=spec["site"], layer=spec["layer"], dtype=spec["dtype"])
+            loaded[i] = sae
+            plan.setdefault((stack_key(sae), spec["site"], spec["k"]), []).append(i)
+        cache = {}
+        for (_, site, k), members in plan.items():
+            gkey = tuple(keys[i] for i in members)
+            stacked = _CACHE.get(gkey)
+            if stacked is None:
+                stacked = stack([loaded[i] for i in members], device=device)
+            cache[gkey] = stacked
+            self.groups.append(_Group(members, stacked, site, [self.specs[i]["layer"] for i in members], k, device))
+        _CACHE.clear()  # the last call's groups only: the device memory of SAEs no longer asked for goes back
+        _CACHE.update(cache)
 
     def __bool__(self) -> bool:
         return bool(self.specs)
 
-    def names(self, i: int) -> tuple[str, ...]:
-        """The arena entries of SAE ``i``."""
-        return (f"_sae{i}_dense",) if self.specs[i]["k"] is None else (f"_sae{i}_ids", f"_sae{i}_values")
+    def where(self) -> list[list[int]]:
+        """Per SAE of the call, ``[group, row in the group]`` (the hand-off's layout, for the client)."""
+        out = [[0, 0] for _ in self.specs]
+        for g, grp in enumerate(self.groups):
+            for j, i in enumerate(grp.members):
+                out[i] = [g, j]
+        return out
 
     def allocate(self, rows: int, device) -> dict[str, torch.Tensor]:
-        """Arena entries for ``rows`` positions (one spare row, as the sites have)."""
+        """Arena entries ``[G, rows, ...]`` per group (one spare row, as the sites have)."""
         out = {}
-        for i, (spec, sae) in enumerate(zip(self.specs, self.saes)):
-            k = spec["k"]
-            if k is None:
-                out[f"_sae{i}_dense"] = torch.zeros(rows + 1, sae.d_sae, dtype=sae.dtype, device=device)
+        for g, grp in enumerate(self.groups):
+            n, dt = len(grp.members), grp.sae.dtype
+            if grp.k is None:
+                out[f"_sae{g}_dense"] = torch.zeros(n, rows + 1, grp.sae.d_sae, dtype=dt, device=device)
             else:
-                out[f"_sae{i}_ids"] = torch.zeros(rows + 1, k, dtype=torch.int32, device=device)
-                out[f"_sae{i}_values"] = torch.zeros(rows + 1, k, dtype=sae.dtype, device=device)
-            out[f"_sae{i}_error"] = torch.zeros(rows + 1, dtype=sae.dtype, device=device)
+                out[f"_sae{g}_ids"] = torch.zeros(n, rows + 1, grp.k, dtype=torch.int32, device=device)
+                out[f"_sae{g}_values"] = torch.zeros(n, rows + 1, grp.k, dtype=dt, device=device)
+            out[f"_sae{g}_error"] = torch.zeros(n, rows + 1, dtype=dt, device=device)
         return out
 
     def nbytes_per_row(self) -> int:
         n = 0
-        for spec, sae in zip(self.specs, self.saes):
-            item = torch.empty((), dtype=sae.dtype).element_size()
-            n += (sae.d_sae * item if spec["k"] is None else spec["k"] * (4 + item)) + item
+        for grp in self.groups:
+            item = torch.empty((), dtype=grp.sae.dtype).element_size()
+            n += len(grp.members) * ((grp.sae.d_sae * item if grp.k is None else grp.k * (4 + item)) + item)
         return n
 
     def encode(self, source) -> dict[str, torch.Tensor]:
-        """This step's entries, one row per token: ``source(site)`` is the site's ``[layer, tokens, width]``."""
+        """This step's entries ``[G, tokens, ...]``: ``source(site)`` is the site's ``[layer, tokens, width]``."""
         out = {}
-        for i, (spec, sae) in enumerate(zip(self.specs, self.saes)):
-            x = source(spec["site"])[spec["layer"]]
-            acts, err = sae.encode_with_error(x)
-            if spec["k"] is None:
-                out[f"_sae{i}_dense"] = acts
-            else:
-                values, ids = torch.topk(acts, k=spec["k"], dim=-1, sorted=True)
-                out[f"_sae{i}_ids"] = ids.to(torch.int32)
-                out[f"_sae{i}_values"] = values
-            out[f"_sae{i}_error"] = err
+        for g, grp in enumerate(self.groups):
+            x = source(grp.site).index_select(0, grp.layers)  # [G, tokens, d_in]
+            item = torch.empty((), dtype=grp.sae.dtype).element_size()
+            step = max(1, CHUNK_BYTES // (x.shape[0] * grp.sae.d_sae * item))
+            parts = [self._encode(grp, x[:, a: a + step]) for a in range(0, x.shape[1], step)]
+            for name, v in zip(parts[0], zip(*(p.values() for p in parts))):
+                out[f"_sae{g}_{name}"] = v[0] if len(v) == 1 else torch.cat(v, dim=1)
         return out
+
+    @staticmethod
+    def _encode(grp: _Group, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        acts, err = grp.sae.encode_with_error(x)
+        if grp.k is None:
+            return {"dense": acts, "error": err}
+        values, ids = torch.topk(acts, k=grp.k, dim=-1, sorted=True)
+        return {"ids": ids.to(torch.int32), "values": values, "error": err}
