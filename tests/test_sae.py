@@ -212,6 +212,27 @@ def test_saved_sae_reads_back_in_sae_lens_and_here(tmp_path):
             torch.testing.assert_close(theirs.encode(x), ref.encode(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("arch", "cfg"), ARCHS, ids=[f"{a}-{'-'.join(f'{k}={v}' for k, v in c.items())}"
+                                                       for a, c in ARCHS])
+def test_stacked_saes_encode_as_each_does(tmp_path, arch, cfg):
+    """stack() of SAEs of one kind: row g of a batched encode is SAE g's own encode (the engine's group)."""
+    from nnvllm.sae import stack
+
+    saes = []
+    for seed in range(3):
+        _sae_lens_sae(arch, seed=seed, **cfg).save_model(tmp_path / str(seed))
+        saes.append(nv.SAE.load(tmp_path / str(seed)))
+    both = stack(saes)
+    assert both.W_enc.shape == (3, D_IN, D_SAE) and both.b_dec.shape == (3, 1, D_IN)
+    x = torch.stack([_inputs(seed=g) for g in range(3)])
+    acts, err = both.encode_with_error(x)
+    for g, sae in enumerate(saes):
+        torch.testing.assert_close(acts[g], sae.encode(x[g]), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(err[g], sae.error_norm(x[g]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="stack\\(\\) takes SAEs of one kind"):
+        stack([saes[0], saes[1].to(dtype=torch.float64)])
+
+
 def test_encode_with_error_is_encode_and_error_norm(tmp_path):
     _sae_lens_sae("jumprelu", normalize_activations="layer_norm").save_model(tmp_path)
     sae = nv.SAE.load(tmp_path)
@@ -237,6 +258,10 @@ def saes(tmp_path_factory):
         ref = _sae_lens_sae(arch, hook_name=f"blocks.{LAYER + 1}.hook_resid_pre", seed=7, **cfg)
         ref.save_model(root / arch)
         out[arch] = (ref, nv.SAE.load(root / arch))
+    # one kind with the jumprelu above (same widths and options): the engine encodes the two as one group
+    ref = _sae_lens_sae("jumprelu", hook_name="blocks.1.hook_resid_post", seed=9)
+    ref.save_model(root / "jumprelu_1")
+    out["jumprelu_1"] = (ref, nv.SAE.load(root / "jumprelu_1"))
     ref = _sae_lens_sae("jumprelu", hook_name="blocks.1.mlp.hook_post", seed=8, d_in=4 * D_IN)
     ref.save_model(root / "mlp_act")
     out["mlp_act"] = (ref, nv.SAE.load(root / "mlp_act"))
