@@ -26,6 +26,10 @@ else
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
 endif
 	$(BIN)/python -m nnvllm.toy --check
+	@# Notebooks are committed without outputs: nbstripout's git filter (named in .gitattributes) strips
+	@# them on `git add`. Outside a git checkout (an unpacked archive) there is nothing to install.
+	@if git rev-parse --git-dir >/dev/null 2>&1; then $(BIN)/nbstripout --install --attributes .gitattributes; \
+	  else echo "not a git checkout: nbstripout's filter not installed"; fi
 	@touch $@
 
 setup: $(BIN)/.ready
@@ -76,8 +80,10 @@ test-gpu:
 browser: setup
 	bash scripts/install_browser.sh
 
+# The site shows the notebooks with their outputs: this build executes them (mkdocs.yml's
+# NNVLLM_DOCS_EXECUTE); make test's docs build does not.
 docs: setup
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+	NNVLLM_DOCS_EXECUTE=true NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: setup
 	$(BIN)/python benchmarks/capture.py
