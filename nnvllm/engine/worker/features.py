@@ -23,6 +23,8 @@ import torch
 
 # group key -> stacked SAE on the device; holds the groups of the last call only.
 _CACHE: dict[tuple, Any] = {}
+# member key -> its stack_key, once read: a call with the last call's SAEs reads no weights at all.
+_KIND: dict[tuple, tuple] = {}
 # Rows encoded at once: the dense code of a chunk stays under this many bytes (a prefill step of
 # thousands of tokens times many 16k-feature SAEs would otherwise need gigabytes at once).
 CHUNK_BYTES = int(os.environ.get("NNVLLM_SAE_CHUNK_BYTES", 512 << 20))
@@ -60,18 +62,26 @@ class _Features:
         from ...sae import SAE, stack, stack_key
 
         keys = [_member_key(s, device) for s in self.specs]
-        plan: dict[tuple, list[int]] = {}
         loaded: dict[int, Any] = {}
+
+        def load(i: int) -> Any:
+            if i not in loaded:
+                spec = self.specs[i]
+                loaded[i] = SAE.load(spec["path"], site=spec["site"], layer=spec["layer"], dtype=spec["dtype"])
+                _KIND[keys[i]] = stack_key(loaded[i])
+            return loaded[i]
+
+        plan: dict[tuple, list[int]] = {}
         for i, spec in enumerate(self.specs):
-            sae = SAE.load(spec["path"], site=spec["site"], layer=spec["layer"], dtype=spec["dtype"])
-            loaded[i] = sae
-            plan.setdefault((stack_key(sae), spec["site"], spec["k"]), []).append(i)
+            if keys[i] not in _KIND:
+                load(i)
+            plan.setdefault((_KIND[keys[i]], spec["site"], spec["k"]), []).append(i)
         cache = {}
         for (_, site, k), members in plan.items():
             gkey = tuple(keys[i] for i in members)
             stacked = _CACHE.get(gkey)
             if stacked is None:
-                stacked = stack([loaded[i] for i in members], device=device)
+                stacked = stack([load(i) for i in members], device=device)
             cache[gkey] = stacked
             self.groups.append(_Group(members, stacked, site, [self.specs[i]["layer"] for i in members], k, device))
         _CACHE.clear()  # the last call's groups only: the device memory of SAEs no longer asked for goes back

@@ -1,0 +1,155 @@
+"""What SAE features cost inside the engine, against bare generate, on the Llama-1B shape.
+
+    python benchmarks/sae_gpu.py                      # 64 x 128, a 16k-feature SAE on each of 16 layers, top-32
+    python benchmarks/sae_gpu.py --sae-dtype bfloat16 --prompts 64 --tokens 128 --d-sae 16384 --k 32
+
+One in-process engine with CUDA graphs (``nv.load(path, cuda_graphs=True)``), random fp16 weights
+(``capture_gpu.build``), greedy, ``ignore_eos``, prompts of 16 tokens; random standard (ReLU) SAEs
+saved in sae-lens's layout. Each case: a warm-up on the full batch, then the median of ``--repeats``:
+
+- ``engine_bare``: the engine's own ``model.llm.generate`` (nothing captured);
+- ``tokens``: ``nv.generate(..., layers=None, logits=False)`` (tokens and samples only);
+- ``features``: the same with ``saes=[one per layer]``, ``sae_k=k``: per position the top-k ids and
+  activations and the reconstruction error of every layer;
+- ``resid``: ``nv.generate(..., layers="all", logits=False)``: every layer's residual stream (the dense
+  capture the features replace).
+
+``bare_graphs`` (vLLM's defaults: torch.compile + CUDA graphs, nothing captured) runs first in a
+process of its own (``capture_gpu.py --case bare_graphs``). Bytes handed to the client are counted
+from the Runs. Recorded in ``benchmarks/results/sae_gpu_<machine>.json`` (``benchmarks/provenance.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from capture_gpu import PROMPT_LEN, SHAPES, _timed, build, prompts
+from provenance import provenance, record
+
+
+def random_saes(root: Path, layers: int, d: int, d_sae: int, dtype: str) -> list[str]:
+    """One random standard SAE per layer, saved in sae-lens's layout (folders under ``root``)."""
+    import torch
+
+    from nnvllm.sae import SAE
+
+    out = []
+    g = torch.Generator().manual_seed(0)
+    for j in range(layers):
+        folder = root / f"sae_{d_sae}_{dtype}_{j}"
+        if not (folder / "cfg.json").is_file():
+            w = torch.randn(d, d_sae, generator=g) / d ** 0.5
+            # a negative encoder bias: a few percent of the features fire, as in trained SAEs
+            cfg = {"architecture": "standard", "d_in": d, "d_sae": d_sae, "dtype": dtype,
+                   "metadata": {"hook_name": f"blocks.{j}.hook_resid_post", "sae_lens_version": "6.54.12"}}
+            SAE.from_state(cfg, {"W_enc": w, "W_dec": w.T.contiguous(), "b_dec": torch.zeros(d),
+                                 "b_enc": torch.full((d_sae,), -1.5)}).save(folder)
+        out.append(str(folder))
+    return out
+
+
+def nbytes(x) -> int:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(nbytes(v) for v in x)
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--d-sae", type=int, default=16384)
+    ap.add_argument("--k", type=int, default=32)
+    ap.add_argument("--sae-dtype", default="float32")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--root", default="/tmp/nnvllm-bench")
+    ap.add_argument("--no-bare", action="store_true", help="skip vLLM's own bare_graphs process")
+    ap.add_argument("--path", default=None, help="another checkpoint (e.g. the toy model, to try the script on a CPU)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    prov = provenance()
+    shape = SHAPES["llama1b"]
+    path = args.path or build("llama1b", root)
+    if args.path:
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        shape = {"layers": cfg.get("num_hidden_layers") or cfg["n_layer"], "d": cfg.get("hidden_size") or cfg["n_embd"]}
+        args.no_bare = True
+    n, T, L = args.prompts, args.tokens, shape["layers"]
+    name = args.name or f"llama1b_{n}x{T}_{args.d_sae}_top{args.k}_{args.sae_dtype}"
+    out: dict = {"prompts": n, "tokens": T, "prompt_len": PROMPT_LEN, "layers": L, "d_sae": args.d_sae,
+                 "k": args.k, "sae_dtype": args.sae_dtype, "repeats": args.repeats, "seconds": {}, "bytes": {}}
+    if not args.no_bare:
+        cmd = [sys.executable, str(Path(__file__).parent / "capture_gpu.py"), "--case", "bare_graphs", "--path", path,
+               "--shape", "llama1b", "--prompts", str(n), "--tokens", str(T), "--repeats", str(args.repeats),
+               "--root", str(root)]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=dict(os.environ, VLLM_PLUGINS=""))
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+        if lines:
+            out["seconds"]["bare_graphs"] = json.loads(lines[-1][7:])["bare_graphs"]["median"]
+        else:
+            out["bare_graphs_error"] = (p.stderr or p.stdout)[-2000:]
+        print("bare_graphs", out["seconds"].get("bare_graphs"), flush=True)
+
+    import torch
+
+    import nnvllm as nv
+    from nnvllm import capture
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    folders = random_saes(root, L, shape["d"], args.d_sae, args.sae_dtype)
+    saes = [nv.SAE.load(f) for f in folders]
+    out["sae_write_load_s"] = time.perf_counter() - t0
+    gpu = torch.cuda.is_available()
+    model = nv.load(path, isolate=False, **(dict(dtype="float16", cuda_graphs=True, gpu_memory_utilization=0.5)
+                                            if gpu else dict(dtype="float32")))
+    ps = prompts(n) if not args.path else [f"The capital of France is {i}" for i in range(n)]
+    sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
+    s = out["seconds"]
+    s["engine_bare"] = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), args.repeats)["median"]
+    s["tokens"] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False),
+                         args.repeats)["median"]
+    t0 = time.perf_counter()
+    first = nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False, saes=saes, sae_k=args.k)
+    out["features_first_call_s"] = time.perf_counter() - t0  # reads the SAEs onto the device
+    s["features"] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False,
+                                               saes=saes, sae_k=args.k), args.repeats)["median"]
+    out["features_worker_timings"] = dict(capture._LAST_TIMINGS)
+    out["features_eager_steps"] = bool(capture._LAST_STATS.get("eager"))
+    s["resid"] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False),
+                        args.repeats)["median"]
+    feats = nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False, saes=saes, sae_k=args.k)
+    dense = nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False)
+    out["bytes"] = {"features": nbytes(feats.features) + nbytes(feats.sae_errors), "resid": nbytes(dense.resid)}
+    out["bytes"]["resid / features"] = out["bytes"]["resid"] / out["bytes"]["features"]
+    # the features are the SAEs' encoding of the stream the dense run captured (same greedy tokens)
+    j = L // 2
+    want_ids, want_values = saes[j].top_features(dense.resid[0][j].float(), args.k)
+    ids, values = feats.features[j][0]
+    out["check"] = {"tokens_equal": feats.tokens == dense.tokens,
+                    "values_max_abs": float((values.float() - want_values).abs().max()),
+                    "fires_per_position": float((want_values > 0).sum(dim=-1).float().mean())}
+    del first, feats, dense
+    model.close()
+    out["ratios"] = {f"x {b}": {k: v / s[b] for k, v in s.items() if isinstance(v, float)}
+                     for b in ("bare_graphs", "engine_bare") if b in s}
+    print(json.dumps(out, indent=1), flush=True)
+    print("recorded in", record("sae_gpu", name, out, args.out, prov))
+
+
+if __name__ == "__main__":
+    main()
