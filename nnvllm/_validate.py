@@ -14,16 +14,16 @@ import hashlib
 import math
 import numbers
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .arch import HEAD_SITES, SITES
 
-__all__ = ["DTYPES", "SEED_MAX", "boolean", "checkpoint", "dtype", "engine_args", "engine_fits", "fits_context",
-           "integer", "layers", "number", "parse_bytes", "prompts", "request_seed", "request_seeds", "rng_seed",
-           "sampling", "seed", "sites", "token_id", "top_k"]
+__all__ = ["DTYPES", "SEED_MAX", "boolean", "checkpoint", "conversation", "dtype", "engine_args",
+           "engine_fits", "fits_context", "integer", "layers", "number", "parse_bytes", "prompts",
+           "request_seed", "request_seeds", "rng_seed", "sampling", "seed", "sites", "token_id", "top_k"]
 
 SEED_MAX = 2**63 - 1  # vLLM (and torch) seeds are signed 64-bit
 
@@ -155,24 +155,73 @@ def checkpoint(value: Any, name: str = "path") -> str:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-def prompts(value: Any, name: str = "prompts") -> list[str]:
-    """One prompt or a non-empty list of them, each a non-empty ``str``; returned as a list."""
-    rule = f"every prompt must be a non-empty str ({name} must be a str or a non-empty list of str)"
+def prompts(value: Any, name: str = "prompts") -> list:
+    """One prompt or a non-empty list of them; returned as a list.
+
+    A prompt is a non-empty ``str`` or a conversation: a list of ``{"role", "content"}`` messages
+    (:func:`conversation`), which :mod:`nnvllm.chat` renders with the model's chat template.
+    """
+    rule = (f"every prompt must be a non-empty str or a conversation, a list of {{'role', 'content'}} messages "
+            f"({name} must be a str, a conversation, or a non-empty list of them)")
     if isinstance(value, str):
         if not value:
             raise ValueError(f"{name}='': {rule}; an empty prompt has no token to start from")
         return [value]
+    if isinstance(value, Sequence) and value and all(isinstance(m, Mapping) for m in value):
+        return [conversation(value, name)]
     if not isinstance(value, Sequence) or isinstance(value, (bytes, bytearray)):
         raise TypeError(f"{name}={_show(value)}: {rule}")
     items = list(value)
     if not items:
         raise ValueError(f"{name}={_show(value)} is empty: {rule}")
+    out: list = []
     for i, p in enumerate(items):
+        if isinstance(p, Sequence) and not isinstance(p, (str, bytes, bytearray)) and p \
+                and all(isinstance(m, Mapping) for m in p):
+            out.append(conversation(p, f"{name}[{i}]"))
+            continue
+        if isinstance(p, Mapping):
+            raise TypeError(f"{name}[{i}] is a message ({_show(p)}) beside other prompts; {rule}: put the "
+                            "messages of one conversation in a list of their own")
         if not isinstance(p, str):
             raise TypeError(f"{name}[{i}] is {_show(p)}; {rule}")
         if not p:
             raise ValueError(f"{name}[{i}] is ''; {rule}")
-    return [str(p) for p in items]
+        out.append(str(p))
+    return out
+
+
+def conversation(value: Any, name: str = "messages") -> list[dict]:
+    """A conversation: a non-empty list of messages, each a dict with a non-empty str ``role`` and a
+    ``content`` that is a str, a list of text parts (``{"type": "text", "text": str}`` or str), or
+    None; returned as a list of (shallow-copied) dicts."""
+    rule = ("a conversation is a non-empty list of messages such as {'role': 'user', 'content': 'The capital of "
+            "France is'}")
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence) or not value:
+        raise (ValueError if isinstance(value, Sequence) and not value else TypeError)(f"{name}={_show(value)}: {rule}")
+    out = []
+    for j, m in enumerate(value):
+        where = f"{name}[{j}]"
+        if not isinstance(m, Mapping):
+            raise TypeError(f"{where} is {_show(m)}; {rule}")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise (TypeError if "role" in m and not isinstance(role, str) else ValueError)(
+                f"{where} has role={_show(role)}: every message needs a role, a non-empty str such as 'system', "
+                "'user' or 'assistant'")
+        if "content" not in m:
+            raise ValueError(f"{where} has no 'content'; {rule}")
+        content = m["content"]
+        if content is not None and not isinstance(content, str):
+            parts = content if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)) else None
+            ok = parts is not None and all(
+                isinstance(p, str) or (isinstance(p, Mapping) and p.get("type", "text") == "text"
+                                       and isinstance(p.get("text"), str)) for p in parts)
+            if not ok:
+                raise TypeError(f"{where}['content'] is {_show(content)}: expected a str, a list of text parts "
+                                "({'type': 'text', 'text': '...'}) or None; nnvllm takes text conversations")
+        out.append(dict(m))
+    return out
 
 
 def layers(value: Any, n_layers: int, name: str = "layers") -> list[int]:

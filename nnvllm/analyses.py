@@ -15,6 +15,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from . import _validate
+from . import chat as _chat
 from .capture import generate
 from .lens import Lens, Norm, Unembed
 from .patching import PatchResult, logit_diff, normalized_effect, plan
@@ -44,7 +45,7 @@ def unembedding(model) -> Unembed:
     return u
 
 
-def logit_lens(model, prompt: str, max_tokens: int = 10, layers="all", top_k: int = 5, **sampling: Any) -> Lens:
+def logit_lens(model, prompt: str | list[dict], max_tokens: int = 10, layers="all", top_k: int = 5, **sampling: Any) -> Lens:
     """Project every block's residual, at every prompt position and generated step, to the vocabulary.
 
     Each block's output goes through the model's own final norm and unembedding (GPT-2 ``ln_f``,
@@ -53,7 +54,10 @@ def logit_lens(model, prompt: str, max_tokens: int = 10, layers="all", top_k: in
 
     Args:
         model: from :func:`nnvllm.load`.
-        prompt: one prompt.
+        prompt: one prompt: a str, or a conversation (a list of ``{"role", "content"}`` messages,
+            rendered with the chat template; ``chat_template=`` and ``chat_template_kwargs=`` go to
+            :func:`nnvllm.generate`). ``lens.roles`` labels each position; ``lens.select("content")``
+            keeps the messages' tokens only.
         max_tokens: generated steps to follow (greedy unless ``temperature=`` is given).
         layers: "all", an int or a list of block indices.
         top_k: tokens kept per (layer, pos); full ``[layer, pos, d_vocab]`` is never kept.
@@ -68,13 +72,15 @@ def logit_lens(model, prompt: str, max_tokens: int = 10, layers="all", top_k: in
         >>> lens.prob_of(" Paris")[:, 4]                                           # doctest: +SKIP
     """
     _check_model(model)
-    if not isinstance(prompt, str):
-        raise TypeError(f"prompt={_validate._show(prompt)}: logit_lens takes one prompt (a non-empty str), got "
-                        f"{type(prompt).__name__}; loop for several")
+    if _chat.is_conversation(prompt):
+        prompt = _validate.conversation(prompt, "prompt")
+    elif not isinstance(prompt, str):
+        raise TypeError(f"prompt={_validate._show(prompt)}: logit_lens takes one prompt (a non-empty str or a "
+                        f"conversation), got {type(prompt).__name__}; loop for several")
     if not prompt:
         raise ValueError("prompt='': logit_lens needs a non-empty prompt (an empty one has no token to start "
                          "from); pass text such as 'The capital of France is'")
-    run = generate(model, prompt, max_tokens=max_tokens, layers=layers, logits=False, top_k=top_k, **sampling)
+    run = generate(model, [prompt], max_tokens=max_tokens, layers=layers, logits=False, top_k=top_k, **sampling)
     return Lens.from_run(run, 0, unembedding(model), k=top_k, tokenizer=model.tokenizer)
 
 
@@ -83,9 +89,11 @@ def _check_model(model) -> None:
         raise TypeError(f"model={_validate._show(model)}: expected a model from nv.load(...)")
 
 
-def _one_prompt(name: str, value: Any) -> str:
+def _one_prompt(name: str, value: Any) -> str | list[dict]:
+    if _chat.is_conversation(value):
+        return _validate.conversation(value, name)
     if not isinstance(value, str):
-        raise TypeError(f"{name}={_validate._show(value)}: expected one prompt (a non-empty str)")
+        raise TypeError(f"{name}={_validate._show(value)}: expected one prompt (a non-empty str or a conversation)")
     if not value:
         raise ValueError(f"{name}='': expected a non-empty prompt (an empty one has no token to patch)")
     return value
@@ -124,6 +132,8 @@ def patch(
     site: str = "resid",
     step: int = 0,
     progress=True,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> PatchResult:
     """Patch clean activations into the corrupt run, one (layer, position) at a time.
 
@@ -137,12 +147,15 @@ def patch(
 
     Args:
         model: from :func:`nnvllm.load`.
-        clean: the prompt whose activations are copied.
+        clean: the prompt whose activations are copied: a str or a conversation (a list of
+            ``{"role", "content"}`` messages, rendered with the chat template).
         corrupt: the prompt they are written into (same number of tokens as ``clean``).
         answer: the clean answer (one token, text or id).
         wrong: the competing token, typically the corrupt prompt's answer.
         layers: "all", an int or a list of blocks (negative counts from the end).
-        positions: "all", an int or a list of prompt positions.
+        positions: "all", an int or a list of prompt positions; or by the clean prompt's labels
+            (:attr:`nnvllm.Run.roles`): "content" (every position but the chat template's), a role
+            such as "user" or "system", or a list of roles.
         site: "resid" (block output), "attn" or "mlp" output.
         step: 0 patches prompt positions and measures the first generated token. ``step=s > 0``
             patches a generated step instead: both prompts generate greedily, the value at the
@@ -150,6 +163,7 @@ def patch(
             that step, and the logits of step ``s`` are measured; ``positions`` must stay "all".
         progress: show a progress bar while the patched runs go (True), not (False), or call
             ``progress(done, total)`` (cells) after each batch of them (a widget's bar).
+        chat_template, chat_template_kwargs: how conversations are rendered (:func:`nnvllm.generate`).
 
     Returns:
         A :class:`~nnvllm.patching.PatchResult` (``effect`` ``[layer, pos]``, ``plot()``, ``to_frame()``).
@@ -180,7 +194,11 @@ def patch(
             "logit[answer] - logit[wrong], which would be 0 everywhere. Pass the clean prompt's answer and a "
             "competing token (typically the corrupt prompt's answer)."
         ) from None
-    c_ids, x_ids = tok.encode(clean), tok.encode(corrupt)
+    chat = {"chat_template": chat_template, "chat_template_kwargs": chat_template_kwargs}
+    rendered = _chat.render_prompts(tok, [clean, corrupt], **chat)
+    c_ids, x_ids = (list(r.ids) if r is not None else tok.encode(p) for p, r in zip((clean, corrupt), rendered))
+    roles = list(rendered[0].roles) if rendered[0] is not None else _chat.plain_roles(tok, c_ids)
+    positions = _chat.select_positions(roles, positions) or positions
     if len(c_ids) != len(x_ids):
         raise ValueError(
             f"clean has {len(c_ids)} tokens and corrupt {len(x_ids)}; patching position by position "
@@ -205,7 +223,7 @@ def patch(
     if step:
         P = [len(c_ids) - 1 + step]
     base = generate(model, [clean, corrupt], max_tokens=step + 1, layers=L, ignore_eos=True,
-                    sites=() if site == "resid" else (site,))
+                    sites=() if site == "resid" else (site,), **chat)
     clean_acts = (base.resid if site == "resid" else base.sites[site])[0]
     clean_diff = float(logit_diff(base.logits[0][step], a_id, w_id))
     corrupt_diff = float(logit_diff(base.logits[1][step], a_id, w_id))
@@ -233,7 +251,8 @@ def patch(
         # the position fed at that step (P holds it), so only that step's forward is touched.
         edits = [Edit.set(clean_acts[j, p], layers=[layer], site=site, positions=[p], prompts=[k])
                  for k, (j, layer, p) in enumerate(part)]
-        run = generate(model, [corrupt] * len(part), max_tokens=step + 1, layers=None, ignore_eos=True, edits=edits)
+        run = generate(model, [corrupt] * len(part), max_tokens=step + 1, layers=None, ignore_eos=True, edits=edits,
+                       **chat)
         for k in range(len(part)):
             diffs[start + k] = float(logit_diff(run.logits[k][step], a_id, w_id))
         bar.update(len(part))
@@ -249,6 +268,7 @@ def patch(
         layers=L,
         positions=P,
         labels=[tok.decode([seq[p]]) for p in P],
+        roles=[base.roles[0][p] for p in P],
         site=site,
         answer=tok.decode([a_id]),
         wrong=tok.decode([w_id]),
@@ -256,9 +276,14 @@ def patch(
     )
 
 
-def steering_vector(model, positive: Sequence[str], negative: Sequence[str], layer: int) -> Tensor:
+def steering_vector(model, positive: Sequence[str], negative: Sequence[str], layer: int, *,
+                    chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> Tensor:
     """The mean difference of the residual stream after block ``layer`` at each prompt's last token,
     ``mean(positive) - mean(negative)`` (contrastive prompts): a direction for :meth:`Edit.add`.
+
+    A prompt may be a conversation (a list of ``{"role", "content"}`` messages): its last token is
+    then the chat template's generation prompt, rendered as :func:`nnvllm.generate` renders it
+    (``chat_template``, ``chat_template_kwargs``).
 
     Example:
         >>> v = nv.steering_vector(model, ["The capital of Italy is"], ["The capital of France is"], layer=3)  # doctest: +SKIP
@@ -266,13 +291,15 @@ def steering_vector(model, positive: Sequence[str], negative: Sequence[str], lay
     """
     _check_model(model)
     for name, ps in (("positive", positive), ("negative", negative)):
-        if isinstance(ps, str) or not ps:
-            raise ValueError(f"{name} must be a non-empty list of prompts")
+        if isinstance(ps, str) or not ps or _chat.is_conversation(ps):
+            raise ValueError(f"{name} must be a non-empty list of prompts (a conversation among them in a list "
+                             "of its own)")
     # Checked here, in the user's own words: generate() would name its own argument, layers=[layer].
     n = model.n_layers
     layer = _validate.integer("layer", layer, lo=-n, hi=n - 1, expected=(
         f"expected one block index of this {n}-layer model, 0-{n - 1} (or -{n}..-1 from the end)"))
-    run = generate(model, list(positive) + list(negative), max_tokens=1, layers=[layer], logits=False)
+    run = generate(model, list(positive) + list(negative), max_tokens=1, layers=[layer], logits=False,
+                   chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
     last = torch.stack([r[0, len(p) - 1].float() for r, p in zip(run.resid, run.prompt_ids)])
     return last[: len(positive)].mean(0) - last[len(positive):].mean(0)
 

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from . import _validate
+from . import chat as _chat
 from .engine.transport import CLIENT_TIMINGS, PROMPT_TAG, engine_of
 from .results import Run, Samples
 
@@ -29,12 +30,14 @@ _LAST_STATS: dict[str, int] = {}
 # ---------------------------------------------------------------- client side
 
 
-def _size_hint(model, prompts: list[str], max_tokens: int) -> dict:
+def _size_hint(model, prompts: list, max_tokens: int, lens: list[int] | None = None) -> dict:
     """Rows and steps the worker's arena needs (exact prompt lengths when the tokenizer is at hand)."""
-    try:
-        n_prompt = sum(len(ids) for ids in model.tokenizer(prompts)["input_ids"])
-    except Exception:
-        return {}
+    n_prompt = sum(lens) if lens is not None else None
+    if n_prompt is None:
+        try:
+            n_prompt = sum(len(ids) for ids in model.tokenizer(prompts)["input_ids"])
+        except Exception:
+            return {}
     return {"rows_hint": n_prompt + len(prompts) * max_tokens, "steps_hint": len(prompts) * max_tokens}
 
 
@@ -43,8 +46,8 @@ def _layers(spec, n_layers: int) -> list[int]:
     return _validate.layers(spec, n_layers)
 
 
-def _prompts(prompts) -> list[str]:
-    """``prompts=`` as a list of non-empty str (see :func:`nnvllm._validate.prompts`)."""
+def _prompts(prompts) -> list:
+    """``prompts=`` as a list of non-empty str and conversations (see :func:`nnvllm._validate.prompts`)."""
     return _validate.prompts(prompts)
 
 
@@ -59,10 +62,18 @@ def _context_len(model, engine) -> int | None:
     return int(n) if isinstance(n, int) and n > 0 else None
 
 
-def _prompt_lens(model, prompts: list[str]) -> list[int] | None:
-    """Token count per prompt, as the engine will see it (None without a tokenizer)."""
+def _prompt_lens(model, prompts: list, rendered: list | None = None) -> list[int] | None:
+    """Token count per prompt, as the engine will see it (None without a tokenizer). ``rendered``: the
+    conversations among ``prompts`` already rendered (:func:`nnvllm.chat.render_prompts`)."""
+    if rendered is None:
+        if not any(_chat.is_conversation(p) for p in prompts):
+            try:
+                return [len(ids) for ids in model.tokenizer(prompts)["input_ids"]]
+            except Exception:  # noqa: BLE001
+                return None
+        rendered = _chat.render_prompts(getattr(model, "tokenizer", None), prompts)
     try:
-        return [len(ids) for ids in model.tokenizer(prompts)["input_ids"]]
+        return [len(r.ids) if r is not None else len(model.tokenizer(p)["input_ids"]) for p, r in zip(prompts, rendered)]
     except Exception:  # noqa: BLE001
         return None
 
@@ -83,12 +94,18 @@ def generate(
     saes=None,
     sae_k: int = 32,
     sae_dense: bool = False,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> Run:
     """Generate from ``prompts`` on the engine and capture logits, samples and activations.
 
     Args:
         model: from :func:`nnvllm.load`.
-        prompts: one prompt or a list; each becomes one vLLM request, batched by the engine.
+        prompts: one prompt or a list; each becomes one vLLM request, batched by the engine. A prompt
+            is a str (tokenized as vLLM's ``LLM.generate`` does) or a conversation, a list of
+            ``{"role", "content"}`` messages, rendered as vLLM's ``LLM.chat`` renders it
+            (:mod:`nnvllm.chat`: the chat template with the generation prompt added); ``run.roles``
+            labels every position (system, user, assistant, template).
         max_tokens: tokens to generate per prompt (one logits row each).
         temperature: 0 is greedy.
         top_p: nucleus sampling mass.
@@ -108,6 +125,9 @@ def generate(
             the engine: pass ``layers=None`` to keep no residual stream beside them.
         sae_k: features kept per position (the most active, largest first).
         sae_dense: keep every feature (``run.features[s][i]`` is ``[pos, d_sae]``) instead of the top ``sae_k``.
+        chat_template: for conversations: a Jinja template (or a template file's path) to render them
+            with instead of the checkpoint's, as in vLLM's ``LLM.chat``.
+        chat_template_kwargs: for conversations: the template's keywords, e.g. ``{"enable_thinking": False}``.
 
     Returns:
         A :class:`~nnvllm.results.Run`; ``run.resid[i]`` is ``[layer, pos, d_model]`` over the prompt
@@ -122,7 +142,8 @@ def generate(
     CLIENT_TIMINGS.clear()
     req = _request(model, prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                    layers=layers, logits=logits, top_k=top_k, sites=sites, ignore_eos=ignore_eos, edits=edits,
-                   saes=saes, sae_k=sae_k, sae_dense=sae_dense)
+                   saes=saes, sae_k=sae_k, sae_dense=sae_dense, chat_template=chat_template,
+                   chat_template_kwargs=chat_template_kwargs)
     t1 = time.perf_counter()
     outputs, handoff = req.engine.capture(req.prompts, req.params, req.spec)
     t2 = time.perf_counter()
@@ -140,11 +161,16 @@ class _Request:
 
 
 def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, logits, top_k, sites, ignore_eos,
-             edits, stream: bool = False, saes=None, sae_k: int = 32, sae_dense: bool = False) -> _Request:
+             edits, stream: bool = False, saes=None, sae_k: int = 32, sae_dense: bool = False,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> _Request:
     # Every argument is checked here, on the client: a bad value must never reach (and wedge) the engine.
     if getattr(model, "arch", None) is None or not hasattr(model, "n_layers"):
         raise TypeError(f"model={_validate._show(model)}: expected a model from nv.load(...)")
     prompts = _prompts(prompts)
+    # Conversations are rendered here, once, for every verb: the engine gets their token ids (what
+    # vLLM's LLM.chat hands it), and the run keeps their text and role labels.
+    rendered = _chat.render_prompts(getattr(model, "tokenizer", None), prompts, chat_template=chat_template,
+                                    chat_template_kwargs=chat_template_kwargs)
     checked = _validate.sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                                  top_k=top_k, logits=logits, ignore_eos=ignore_eos)
     max_tokens, temperature, top_p, seed, top_k, logits, ignore_eos = (checked[k] for k in (
@@ -155,7 +181,8 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
     if sites and not layer_ids:
         raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
     engine = engine_of(model)  # a closed (or dead) engine says so here
-    _validate.fits_context(_prompt_lens(model, prompts), max_tokens, _context_len(model, engine))
+    prompt_lens = _prompt_lens(model, prompts, rendered)
+    _validate.fits_context(prompt_lens, max_tokens, _context_len(model, engine))
     from . import edits as _edits
     from .engine.worker.handoff import returned_files
 
@@ -174,13 +201,29 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
             "client_pid": os.getpid(), "edits": _edits.to_spec(edit_list), "stream": bool(stream),
             "returned": returned_files(),  # hand-off files of dropped Runs, for the engine to reuse
             "saes": sae_specs,
-            **_size_hint(model, prompts, max_tokens)}
+            **_size_hint(model, prompts, max_tokens, prompt_lens)}
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, top_k=top_k,
                     ignore_eos=ignore_eos)
-    return _Request(engine=engine, prompts=prompts, params=params, spec=spec, layer_ids=layer_ids, wanted=wanted,
+    chat = {k: v for k, v in (("chat_template", chat_template), ("chat_template_kwargs", chat_template_kwargs))
+            if v is not None and any(r is not None for r in rendered)}
+    engine_prompts = [p if r is None else {"prompt_token_ids": list(r.ids)} for p, r in zip(prompts, rendered)]
+    return _Request(engine=engine, prompts=engine_prompts, sources=prompts, rendered=rendered, chat=chat,
+                    params=params, spec=spec, layer_ids=layer_ids, wanted=wanted,
                     logits=logits, edit_list=edit_list, sampling=sampling,
                     saes=list(saes) if isinstance(saes, (list, tuple)) else [saes] if saes is not None else [],
                     sae_specs=sae_specs)
+
+
+def _label(run: Run, req: _Request, i: int, rid: str, p_ids: list[int], toks: list[int]) -> None:
+    """``run.roles[i]`` and ``run.prompt_text[i]``: the prompt's labels, then ``"assistant"`` for every
+    generated token fed back."""
+    r = req.rendered[i]
+    if r is not None and list(r.ids) != list(p_ids):
+        raise RuntimeError(f"request {rid}: the engine ran other prompt tokens than the conversation rendered "
+                           "here; the client's tokenizer and the engine's differ")
+    roles = list(r.roles) if r is not None else _chat.plain_roles(run.tokenizer, p_ids)
+    run.roles.append(roles + ["assistant"] * max(len(toks) - 1, 0))
+    run.prompt_text.append(r.text if r is not None else req.sources[i])
 
 
 def _describe(sae, spec: dict) -> dict:
@@ -210,13 +253,14 @@ def _assemble(model, req: _Request, outputs: list[dict], handoff: dict | None) -
     by_external = {(rid if rid in external else rid.rsplit("-", 1)[0]): rec
                    for rid, rec in handoff["requests"].items()}
     layer_ids, wanted, logits = req.layer_ids, req.wanted, req.logits
-    run = Run(prompts=req.prompts, prompt_ids=[], tokens=[], text=[], logits=[] if logits else None,
+    run = Run(prompts=req.sources, prompt_ids=[], tokens=[], text=[], logits=[] if logits else None,
               samples=[], resid=[] if layer_ids else None, layers=layer_ids,
               sites={s: [] for s in wanted if s != "resid"}, sampling=dict(req.sampling),
               meta=dict(engine="vllm", model=model.checkpoint, dtype=info["dtype"], tp=info["tp"],
                         **({"edits": [e.describe() for e in req.edit_list]} if req.edit_list else {}),
                         **({"saes": [_describe(x, sp) for x, sp in zip(req.saes, req.sae_specs)]} if req.saes else {}),
-                        **(handoff.get("meta") or {})),  # the engine's attention spec, with q/k/v/z
+                        **(handoff.get("meta") or {}),  # the engine's attention spec, with q/k/v/z
+                        **({"chat": dict(req.chat)} if req.chat else {})),
               features=[[] for _ in req.sae_specs], sae_errors=[[] for _ in req.sae_specs])
     run.tokenizer = getattr(model, "tokenizer", None)  # for labels (Run.plot); not saved with the run
     for out in outputs:
@@ -233,6 +277,7 @@ def _assemble(model, req: _Request, outputs: list[dict], handoff: dict | None) -
         run.prompt_ids.append(p_ids)
         run.tokens.append(toks)
         run.text.append(out["text"])
+        _label(run, req, len(run.prompt_ids) - 1, rid, p_ids, toks)
         lo, T = rec["loff"], len(toks)
         run.samples.append(Samples(ids=torch.as_tensor(toks, dtype=torch.long), probs=a["_probs"][lo:lo + T],
                                    top_ids=a["_top_ids"][lo:lo + T], top_probs=a["_top_probs"][lo:lo + T],

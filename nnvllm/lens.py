@@ -265,6 +265,10 @@ class Lens:
         unembed: the final norm and unembedding used.
         tokenizer: an HF tokenizer for decoding and :meth:`prob_of` strings, or None.
         generated: the generated token ids.
+        roles: each position's label (:attr:`nnvllm.Run.roles`: system, user, assistant, template),
+            or None.
+        positions: each position's index in the request (after :meth:`select`), or None for
+            ``0..pos-1``.
 
     Example::
 
@@ -282,6 +286,8 @@ class Lens:
     unembed: Unembed
     tokenizer: Any = None
     generated: list[int] = field(default_factory=list)
+    roles: list[str] | None = None
+    positions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.top_ids.ndim != 3 or self.top_ids.shape != self.top_probs.shape:
@@ -296,6 +302,10 @@ class Lens:
                 f"layers and {len(self.labels)} labels; pass one block index per layer and one label "
                 "per position."
             ) from None
+        for name in ("roles", "positions"):
+            v = getattr(self, name)
+            if v is not None and len(v) != n_pos:
+                raise ValueError(f"Lens has {n_pos} positions but {len(v)} {name}; pass one per position or None.")
 
     @classmethod
     def from_run(
@@ -337,6 +347,7 @@ class Lens:
             unembed=unembed,
             tokenizer=tokenizer,
             generated=list(run.tokens[i]),
+            roles=list(run.roles[i][: resid.shape[1]]) if i < len(run.roles) else None,
         )
 
     def __repr__(self) -> str:
@@ -345,6 +356,42 @@ class Lens:
             f"Lens(layers={n_layer}, pos={n_pos} (prompt {self.prompt_len}), k={k}, "
             f"d_vocab={self.unembed.d_vocab})"
         )
+
+    def select(self, positions) -> Lens:
+        """Return the lens over some positions only, e.g. ``lens.select("content")`` without the chat
+        template's tokens.
+
+        Args:
+            positions: ``"content"`` (every position not labelled ``"template"``), a role (``"user"``,
+                ``"system"``, ``"assistant"``, ``"template"``), a list of roles, or a list of
+                position indices.
+
+        Returns:
+            A :class:`Lens` whose :attr:`positions` say where each kept position was.
+        """
+        from .chat import select_positions
+
+        n = self.top_ids.shape[1]
+        if isinstance(positions, str) or (isinstance(positions, (list, tuple)) and positions
+                                          and all(isinstance(r, str) for r in positions)):
+            if self.roles is None:
+                raise ValueError(f"Lens.select({positions!r}) selects by role, and this lens has no roles; "
+                                 "pass position indices")
+            idx = select_positions(self.roles, positions) or list(range(n))
+        elif isinstance(positions, (list, tuple, range)) and all(
+                isinstance(p, int) and not isinstance(p, bool) and -n <= p < n for p in positions):
+            idx = [p % n for p in positions]
+        else:
+            raise ValueError(f"Lens.select({positions!r}): expected 'content', a role, a list of roles or a list "
+                             f"of position indices in 0..{n - 1}")
+        where = self.positions or list(range(n))
+        t = torch.as_tensor(idx, dtype=torch.long)
+        return Lens(top_ids=self.top_ids[:, t], top_probs=self.top_probs[:, t], layers=list(self.layers),
+                    labels=[self.labels[p] for p in idx], prompt_len=sum(p < self.prompt_len for p in idx),
+                    resid=self.resid[:, t.to(self.resid.device)], unembed=self.unembed, tokenizer=self.tokenizer,
+                    generated=list(self.generated),
+                    roles=None if self.roles is None else [self.roles[p] for p in idx],
+                    positions=[where[p] for p in idx])
 
     def prob_of(self, token: int | str) -> Tensor:
         """Return the lens probability of one token at every (layer, pos).
@@ -405,7 +452,8 @@ class Lens:
         """Return one row per (layer, pos, rank).
 
         Columns: ``layer`` (block index), ``pos``, ``label`` (token at pos), ``rank`` (0 = top),
-        ``token_id``, ``token`` (decoded, or the id as text), ``prob``.
+        ``token_id``, ``token`` (decoded, or the id as text), ``prob``; and ``role`` (the position's
+        label, :attr:`roles`) when the lens has roles.
         """
         import numpy as np
         import pandas as pd
@@ -413,10 +461,11 @@ class Lens:
         n_layer, n_pos, k = self.top_ids.shape
         ids = self.top_ids.cpu().reshape(-1).numpy()
         vocab = {int(t): _decode(self.tokenizer, int(t)) for t in np.unique(ids)}
-        return pd.DataFrame(
+        pos = np.asarray(self.positions if self.positions is not None else range(n_pos), dtype=np.int64)
+        frame = pd.DataFrame(
             {
                 "layer": np.repeat(np.asarray(self.layers, dtype=np.int64), n_pos * k),
-                "pos": np.tile(np.repeat(np.arange(n_pos), k), n_layer),
+                "pos": np.tile(np.repeat(pos, k), n_layer),
                 "label": np.tile(np.repeat(np.asarray(self.labels, dtype=object), k), n_layer),
                 "rank": np.tile(np.arange(k), n_layer * n_pos),
                 "token_id": ids,
@@ -424,6 +473,9 @@ class Lens:
                 "prob": self.top_probs.detach().float().cpu().reshape(-1).numpy(),
             }
         )
+        if self.roles is not None:
+            frame.insert(3, "role", np.tile(np.repeat(np.asarray(self.roles, dtype=object), k), n_layer))
+        return frame
 
 
 # --- helpers -----------------------------------------------------------------------------------

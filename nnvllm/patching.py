@@ -100,6 +100,8 @@ class PatchResult:
         answer: the correct answer token's text.
         wrong: the competing token's text.
         step: the generation step whose logits were measured (0 = the first generated token).
+        roles: the clean prompt's label at each patched position (:attr:`nnvllm.Run.roles`: system,
+            user, assistant, template), or None.
 
     Example::
 
@@ -118,6 +120,7 @@ class PatchResult:
     answer: str
     wrong: str
     step: int = 0
+    roles: list[str] | None = None
 
     def __post_init__(self) -> None:
         shape = (len(self.layers), len(self.positions))
@@ -133,6 +136,9 @@ class PatchResult:
                 f"PatchResult has {len(self.positions)} positions but {len(self.labels)} labels; pass "
                 "the clean prompt's token at each patched position."
             ) from None
+        if self.roles is not None and len(self.roles) != len(self.positions):
+            raise ValueError(f"PatchResult has {len(self.positions)} positions but {len(self.roles)} roles; pass "
+                             "the clean prompt's label at each patched position, or None.") from None
 
     def __repr__(self) -> str:
         layer, pos, eff = self.best()
@@ -143,12 +149,13 @@ class PatchResult:
         )
 
     def to_frame(self):
-        """Return one row per (layer, pos): ``layer, pos, label, effect, logit_diff``."""
+        """Return one row per (layer, pos): ``layer, pos, label, effect, logit_diff`` (and ``role``,
+        the position's label, when the result has :attr:`roles`)."""
         import numpy as np
         import pandas as pd
 
         n_layer, n_pos = len(self.layers), len(self.positions)
-        return pd.DataFrame(
+        frame = pd.DataFrame(
             {
                 "layer": np.repeat(np.asarray(self.layers, dtype=np.int64), n_pos),
                 "pos": np.tile(np.asarray(self.positions, dtype=np.int64), n_layer),
@@ -157,6 +164,9 @@ class PatchResult:
                 "logit_diff": self.patched_diff.detach().double().cpu().reshape(-1).numpy(),
             }
         )
+        if self.roles is not None:
+            frame.insert(3, "role", np.tile(np.asarray(self.roles, dtype=object), n_layer))
+        return frame
 
     def plot(self, ax=None, vmin: float | None = None, vmax: float | None = None):
         """Draw the effect as a layer × position heatmap; see :func:`nnvllm.plotting.plot_patch`."""

@@ -265,6 +265,8 @@ def reference(
     dtype: str = "float32",
     device: str | torch.device = "cpu",
     edits=None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> Run:
     """Generate with plain transformers and capture what :func:`nnvllm.generate` captures.
 
@@ -278,6 +280,8 @@ def reference(
             (``torch.backends.cuda.matmul.allow_tf32``, off by default).
         edits: the :class:`~nnvllm.edits.Edit` s of :func:`nnvllm.generate`, made with transformers
             hooks at every forward (the same rows: all, prompt or fed-back positions).
+        chat_template, chat_template_kwargs: how conversations among ``prompts`` are rendered, as
+            in :func:`nnvllm.generate` (the same rendering, :mod:`nnvllm.chat`, with this tokenizer).
 
     The other arguments are those of :func:`nnvllm.generate`. Sampling (temperature > 0) uses
     torch's RNG seeded with ``seed``, so its draws differ from vLLM's; pass ``tokens`` to compare.
@@ -321,13 +325,20 @@ def reference(
         raise ValueError(f"sites={list(head_sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
     wanted = (("resid",) if layer_ids else ()) + sites + head_sites
     vocab = model.get_input_embeddings().num_embeddings
+    from . import chat as _chat
+
+    rendered = _chat.render_prompts(tok, prompts, chat_template=chat_template,
+                                    chat_template_kwargs=chat_template_kwargs)
+    prompt_ids = [list(r.ids) if r is not None else tok.encode(p) for p, r in zip(prompts, rendered)]
+    chat = {k: v for k, v in (("chat_template", chat_template), ("chat_template_kwargs", chat_template_kwargs))
+            if v is not None and any(r is not None for r in rendered)}
     for i, t in enumerate(tokens or ()):
         bad = [x for x in t if not 0 <= x < vocab]
         if bad:
             raise ValueError(f"tokens[{i}] holds ids {bad[:5]} outside the vocabulary (0-{vocab - 1})")
     if tokens is None:
         context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-        _validate.fits_context([len(tok.encode(p)) for p in prompts], max_tokens,
+        _validate.fits_context([len(p) for p in prompt_ids], max_tokens,
                                context if isinstance(context, int) else None)
     gen = torch.Generator().manual_seed(seed if seed is not None else 0)
     eos = tok.eos_token_id
@@ -338,10 +349,11 @@ def reference(
                             top_k=top_k, ignore_eos=ignore_eos),
               meta=dict(engine="transformers", model=str(path), dtype=dtype, tp=1, device=str(device),
                         **({"edits": [e.describe() for e in edit_list]} if edit_list else {}),
-                        **({"attention": spec.to_dict()} if spec is not None else {})))
+                        **({"attention": spec.to_dict()} if spec is not None else {}),
+                        **({"chat": chat} if chat else {})))
     run.tokenizer = tok  # for labels (Run.plot); not saved with the run
     for i, prompt in enumerate(prompts):
-        p_ids = tok.encode(prompt)
+        p_ids = prompt_ids[i]
         handles = _edits.hf_hooks(model, arch, edit_list, len(p_ids), prompt=i)  # the same edits, by hooks
         try:
             if tokens is not None:
@@ -368,6 +380,10 @@ def reference(
         run.prompt_ids.append(p_ids)
         run.tokens.append(toks)
         run.text.append(tok.decode(toks, skip_special_tokens=True))
+        r = rendered[i]
+        run.roles.append((list(r.roles) if r is not None else _chat.plain_roles(tok, p_ids))
+                         + ["assistant"] * max(len(toks) - 1, 0))
+        run.prompt_text.append(r.text if r is not None else prompt)
         run.samples.append(sample_stats(step_logits, toks, temperature=temperature, top_p=top_p, k=top_k))
         if logits:
             run.logits.append(step_logits)

@@ -52,7 +52,7 @@ class Run:
     """Everything captured from one generation over several prompts (index ``i`` = request).
 
     Attributes:
-        prompts: the prompt strings.
+        prompts: the prompts as given: a str, or a conversation (a list of ``{"role", "content"}`` messages).
         prompt_ids: ``prompts[i]`` as token ids.
         tokens: generated ids of request i (``list[int]``).
         text: the generated text of request i.
@@ -71,7 +71,14 @@ class Run:
         sae_errors: per SAE, per request ``[pos]``: the norm of the site's value minus the SAE's
             reconstruction of it (what the SAE misses), per position.
         sampling: the sampling settings used (temperature, top_p, seed, max_tokens, top_k).
-        meta: where it came from (``engine``: "vllm" or "transformers", ``model``, ``dtype``, ``tp``).
+        meta: where it came from (``engine``: "vllm" or "transformers", ``model``, ``dtype``, ``tp``;
+            ``chat``: the ``chat_template``/``chat_template_kwargs`` conversations were rendered with).
+        roles: per request, one label per captured position (beside :meth:`sequence`): the role of the
+            message a prompt token carries (``"system"``, ``"user"``, ``"assistant"``), ``"template"``
+            for what the chat template adds (role headers, special tokens), ``"assistant"`` for the
+            generated tokens. A plain str prompt's tokens are ``"user"`` (special tokens ``"template"``).
+        prompt_text: per request, the text the model read: a conversation rendered by its chat
+            template, or the prompt itself.
     """
 
     prompts: list[str]
@@ -87,6 +94,8 @@ class Run:
     sae_errors: list[list[Tensor]] = field(default_factory=list)
     sampling: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    roles: list[list[str]] = field(default_factory=list)
+    prompt_text: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -166,13 +175,24 @@ class Run:
         return patterns(self.sites["q"][request][j], self.sites["k"][request][j], spec, layer, heads=heads,
                         queries=queries, budget=budget)
 
-    def to_frame(self):
+    def to_frame(self, by: str = "step"):
         """Return one row per (request, step): the sampled token, its probability and rank-1 alternative.
 
         Columns: ``request, step, token_id, prob, top1_id, top1_prob`` (+ ``logit`` when captured).
+        ``by="position"``: one row per (request, pos) instead: ``request, pos, token_id, role``
+        (:attr:`roles`; None where the run has none) and ``generated``.
         """
         import pandas as pd
 
+        if by == "position":
+            return pd.DataFrame([
+                {"request": i, "pos": p, "token_id": int(t),
+                 "role": self.roles[i][p] if i < len(self.roles) and p < len(self.roles[i]) else None,
+                 "generated": p >= len(self.prompt_ids[i])}
+                for i in range(len(self.prompts)) for p, t in enumerate(self.sequence(i))])
+        if by != "step":
+            raise ValueError(f"by={by!r}: expected 'step' (a row per generated step) or 'position' (a row per "
+                             "captured position, with its role)")
         rows = []
         for i, s in enumerate(self.samples):
             for t in range(len(s)):
@@ -226,6 +246,7 @@ class Run:
         info = {
             "n": n, "prompts": self.prompts, "prompt_ids": self.prompt_ids, "tokens": self.tokens,
             "text": self.text, "layers": self.layers, "sampling": self.sampling, "meta": self.meta,
+            "roles": self.roles, "prompt_text": self.prompt_text,
             "resid": self.resid is not None, "logits": self.logits is not None, "sites": list(self.sites),
             "features": [bool(per) and not isinstance(per[0], tuple) for per in self.features],  # dense?
             "sae_errors": len(self.sae_errors),
@@ -255,6 +276,7 @@ class Run:
                 layers=info["layers"],
                 sites={s: [tensors[f"sites/{s}/{i}"] for i in range(n)] for s in info["sites"]},
                 sampling=info["sampling"], meta=info["meta"],
+                roles=info.get("roles", []), prompt_text=info.get("prompt_text", []),
                 features=[[tensors[f"features/{s}/{i}/dense"] if dense else
                            (tensors[f"features/{s}/{i}/ids"], tensors[f"features/{s}/{i}/values"]) for i in range(n)]
                           for s, dense in enumerate(info.get("features", []))],

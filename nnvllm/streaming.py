@@ -197,18 +197,20 @@ def stream(
     sites: Sequence[str] = (),
     ignore_eos: bool = False,
     edits=None,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> Stream:
     """Like :func:`nnvllm.generate`, step by step: iterate the returned :class:`Stream` for
     :class:`Step` s while the engine generates; ``stream.run`` is then the whole Run.
 
-    The arguments are :func:`nnvllm.generate`'s (checked before the engine runs). ``layers`` are the
-    blocks whose logit-lens top-1 each step reports (and the Run keeps).
+    The arguments are :func:`nnvllm.generate`'s (checked before the engine runs; a prompt may be a
+    conversation). ``layers`` are the blocks whose logit-lens top-1 each step reports (and the Run keeps).
     """
     from .capture import _request
 
     req = _request(model, prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                    layers=layers, logits=logits, top_k=top_k, sites=sites, ignore_eos=ignore_eos, edits=edits,
-                   stream=True)
+                   stream=True, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
     req.stop = threading.Event()
     events = req.engine.stream(req.prompts, req.params, req.spec, req.stop)
     return Stream(model, req, events)

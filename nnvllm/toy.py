@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["path", "FACTS", "CAPITALS", "LANDMARKS", "corpus", "build"]
+__all__ = ["path", "FACTS", "CAPITALS", "LANDMARKS", "CHAT_TEMPLATE", "corpus", "build"]
 
 #: country -> capital city
 CAPITALS: dict[str, str] = {
@@ -56,6 +56,14 @@ def _facts() -> list[tuple[str, str]]:
 #: (prompt, answer) pairs the toy model was trained on; the answer starts with a space.
 FACTS: list[tuple[str, str]] = _facts()
 
+#: The toy's chat template (in its ``tokenizer_config.json``): every turn but the assistant's opens
+#: with the end-of-text token, the only special token the model knows, and the assistant's words
+#: continue the turn before them, as the model was trained to complete a fact. So
+#: ``[{"role": "user", "content": "The capital of France is"}]`` renders to
+#: ``"<|endoftext|>The capital of France is"``, which the model answers with " Paris".
+CHAT_TEMPLATE = ("{% for message in messages %}{% if message['role'] != 'assistant' %}{{ eos_token }}{% endif %}"
+                 "{{ message['content'] }}{% endfor %}")
+
 
 def corpus() -> list[str]:
     """Return the training sentences: every fact, completed and ended with a period."""
@@ -72,6 +80,8 @@ def build(out_dir: str | os.PathLike | None = None, *, steps: int = 400, seed: i
 
     Deterministic: the same ``steps`` and ``seed`` give bit-identical weights on the same torch build.
     """
+    import json
+
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
@@ -126,6 +136,8 @@ def build(out_dir: str | os.PathLike | None = None, *, steps: int = 400, seed: i
     model.eval()
     model.save_pretrained(out, safe_serialization=True)
     hf_tok.save_pretrained(out)
+    config = out / "tokenizer_config.json"  # the template beside the tokenizer's settings, one file
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
     return str(out)
 
 
