@@ -382,7 +382,8 @@ def test_live_generation_streams_and_stops(toy):
 
     assert html.unescape(re.sub(r"<[^>]+>", "", live.text.value)) == "The capital of France is" + run.text[0]
     done = LiveGeneration(toy, "The capital of France is", max_tokens=3, ignore_eos=True, layers=[0, -1])
-    assert done.wait(60).tokens == nv.generate(toy, "The capital of France is", max_tokens=3, ignore_eos=True).tokens
+    assert done.wait(60) is not None, (done.status.value, done.last_error)
+    assert done.run.tokens == nv.generate(toy, "The capital of France is", max_tokens=3, ignore_eos=True).tokens
     assert done.status.value == "done: 3 token(s)" and done.panel.value.count("<tr>") == 3
     assert done.replay_button.disabled is False and done.stop_button.disabled
     first = done.run
