@@ -15,7 +15,6 @@ import torch
 import nnvllm as nv
 from nnvllm.lens import Lens, Norm, Unembed
 from nnvllm.views import (
-    compare_figure,
     error_html,
     lens_figure,
     lens_rows,
@@ -27,7 +26,14 @@ from nnvllm.views import (
     summary_html,
     token_options,
 )
-from nnvllm.widgets import CompareView, EngineClosed, LensExplorer, LiveGeneration, PatchExplorer, SamplesExplorer
+from nnvllm.widgets import (
+    CompareView,
+    EngineClosed,
+    LensExplorer,
+    LiveGeneration,
+    PatchExplorer,
+    SamplesExplorer,
+)
 
 CLEAN, CORRUPT = "The capital of France is", "The capital of Italy is"
 
@@ -163,7 +169,7 @@ def test_compare_view_marks_exact_zeros_instead_of_rounding():
     # Layer 0 and most positions are identical in the two runs: 1 - cosine there is exactly 0, drawn as
     # "exact" on the floor of the log axis, never as -2.2e-16 or 1e-16.
     view = CompareView({"ref": _run(), "perturbed": _run(perturb=1.0)}, metric="cosine")
-    ax_l, ax_p = view.figure.axes
+    ax_l = view.figure.axes[0]
     data = [ln for ln in ax_l.lines if ln.get_transform() == ax_l.transData]
     assert len(data) == 1 and torch.isnan(torch.tensor(data[0].get_ydata()[0])) and data[0].get_ydata()[1] > 0
     assert [t.get_text() for t in ax_l.texts] == ["exact"] and ax_l.get_ylim()[0] > 1e-9
