@@ -236,3 +236,81 @@ def test_a_run_file_whose_header_length_starts_with_0x80_loads(tmp_path):
     torch.save({"x": 1}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)  # a real pickle: refused
     with pytest.raises(ValueError, match="old torch-pickle"):
         load_tensors(tmp_path / "old.pt", fmt=RUN_FORMAT)
+
+
+# ------------------------------------------------------------------ the engine, against transformers
+# Engines shared with other test files (conftest.SHARED_ENGINE_FILES): the toy model (GPT-2 layout),
+# tiny GPT-2 and tiny Llama (grouped-query attention: 2 query heads share 1 KV head; at --tp 2 each
+# rank holds one query head and a copy of the KV head).
+
+ENGINE_PROMPTS = [PROMPT, "Paris is the capital of"]
+HEAD_SITES = ["q", "k", "v", "z", "attn", "mlp"]
+
+
+@pytest.fixture(scope="module", params=["toy", "gpt2", "llama"])
+def model(request, toy_path, tiny_paths, tp):
+    from conftest import shared_engine
+
+    path = toy_path if request.param == "toy" else tiny_paths[request.param]
+    return request.param, path, shared_engine(path, tp)
+
+
+def test_engine_heads_equal_transformers(model, fidelity):
+    """q, k, v, z equal transformers' (teacher-forced on the engine's tokens); patterns rebuilt from the
+    engine's q and k equal transformers' eager output_attentions (<= 1e-4 at fp32); z is each
+    pattern times v; the heads' writes (z_h @ W_O[h]) plus the projection's bias are the engine's
+    attention output; and the attribution's terms sum to the engine's own logit difference."""
+    from nnvllm.reference import attentions
+
+    kind, path, engine = model
+    run = nv.generate(engine, ENGINE_PROMPTS, max_tokens=4, ignore_eos=True, sites=HEAD_SITES)
+    spec = AttentionSpec.from_dict(run.meta["attention"])
+    assert spec == attention_spec(__import__("json").load(open(f"{path}/config.json")))
+    ref = fidelity.reference(path, ENGINE_PROMPTS, tokens=run.tokens, sites=HEAD_SITES)
+    att = nv.attribute(run, " Paris", " Rome")
+    for i in range(len(ENGINE_PROMPTS)):
+        P = run.positions(i)
+        assert run.sites["q"][i].shape == (spec.n_layers, P, spec.n_heads, spec.d_head)
+        assert run.sites["k"][i].shape == run.sites["v"][i].shape == (spec.n_layers, P, spec.n_kv_heads, spec.d_head)
+        for s in ("q", "k", "v", "z"):
+            ref.check(run.sites[s][i], 1e-4, lambda r, s=s, i=i: r.sites[s][i], f"{kind} {s}[{i}]")
+        seq = run.sequence(i)
+        truth = fidelity.calibrated(lambda device, seq=seq: attentions(path, seq, device=device))
+        pats = torch.stack([run.attention(layer, i) for layer in run.layers])
+        truth.check(pats, 1e-4, what=f"{kind} patterns[{i}]")
+        for layer in run.layers:
+            v = run.sites["v"][i][layer][:, torch.arange(spec.n_heads) // spec.group].float()
+            z = torch.einsum("hqk,khd->qhd", pats[layer], v)
+            assert (z - run.sites["z"][i][layer]).abs().max() < 1e-4, (kind, i, layer)
+        d = att.logit_diff[i]  # the engine's logits, not recomputed
+        assert (att.total(i) - d).abs().max() < 1e-4 * max(1.0, float(d.abs().max())), (kind, i)
+    # per-head writes sum to the engine's attention output (W_O read with transformers from the checkpoint)
+    from nnvllm.arch import arch_for
+    from nnvllm.reference import load_reference
+
+    hf, _ = load_reference(path)
+    weights = HeadWeights.from_module(hf, arch_for(hf.config.architectures), hf.config)
+    for layer in run.layers:
+        out = head_results(run.sites["z"][0][layer], weights.w_o[layer], spec.n_heads).sum(1)
+        out = out + (weights.b_o[layer] if weights.b_o is not None else 0)
+        assert (out - run.sites["attn"][0][layer]).abs().max() < 1e-4, (kind, layer)
+
+
+def test_engine_heads_of_some_layers_and_the_refusals(model):
+    kind, path, engine = model
+    run = nv.generate(engine, ENGINE_PROMPTS[1], max_tokens=3, layers=[1], sites=["q", "k"])
+    assert list(run.sites) == ["q", "k"] and run.sites["q"][0].shape[0] == 1
+    full = nv.generate(engine, ENGINE_PROMPTS[1], max_tokens=3, sites=["q", "k"])
+    assert full.tokens == run.tokens
+    assert torch.equal(run.attention(1), full.attention(1))  # the same rows, whatever else is captured
+    last = run.attention(1, queries=[-1], heads=0)  # the last generated step's row of head 1.0
+    assert last.shape == (1, 1, run.positions(0)) and abs(float(last.sum()) - 1) < 1e-5
+    with pytest.raises(ValueError, match="layer=0: not captured"):
+        run.attention(0)
+    with pytest.raises(ValueError, match="needs layers"):
+        nv.generate(engine, ENGINE_PROMPTS[1], max_tokens=1, layers=None, sites=["z"])
+    with pytest.raises(ValueError, match="unknown"):
+        nv.generate(engine, ENGINE_PROMPTS[1], max_tokens=1, sites=["pattern"])
+    with pytest.raises(ValueError, match="same token"):
+        nv.attribute(nv.generate(engine, ENGINE_PROMPTS[1], max_tokens=1, sites=["z", "mlp"]), " Paris", " Paris")
+    assert nv.generate(engine, ENGINE_PROMPTS[1], max_tokens=1).tokens  # the engine is fine
