@@ -21,9 +21,9 @@ import numpy as np
 
 from .arch import HEAD_SITES, SITES
 
-__all__ = ["DTYPES", "SEED_MAX", "boolean", "checkpoint", "conversation", "dtype", "engine_args",
+__all__ = ["DTYPES", "SEED_MAX", "boolean", "call_seed", "checkpoint", "conversation", "dtype", "engine_args",
            "engine_fits", "fits_context", "integer", "layers", "number", "parse_bytes", "prompts",
-           "request_seed", "request_seeds", "rng_seed", "sampling", "seed", "sites", "token_id", "top_k"]
+           "request_seed", "request_seeds", "rng_seed", "sampling", "sites", "token_id", "top_k_count"]
 
 SEED_MAX = 2**63 - 1  # vLLM (and torch) seeds are signed 64-bit
 
@@ -99,7 +99,7 @@ def request_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def seed(value: Any, n: int | None = None, name: str = "seed") -> int | list[int] | None:
+def call_seed(value: Any, n: int | None = None, name: str = "seed") -> int | list[int] | None:
     """``seed=`` of a verb: None (unseeded), an int (one per request derived by :func:`request_seed`),
     or, with ``n`` prompts, a list of ``n`` ints used as they are. Returned normalised."""
     if value is None or _is_int(value) or n is None:
@@ -114,7 +114,7 @@ def seed(value: Any, n: int | None = None, name: str = "seed") -> int | list[int
 
 
 def request_seeds(value: int | list[int] | None, n: int, first: int = 0) -> list[int] | None:
-    """One seed per request from a checked ``seed=`` (:func:`seed`): None unseeded; an int gives
+    """One seed per request from a checked ``seed=`` (:func:`call_seed`): None unseeded; an int gives
     ``request_seed(value, first + i)`` for request ``i`` (``first``: the global index of the first
     request, :func:`nnvllm.collect`'s chunks); a list is used as it is."""
     if value is None:
@@ -124,7 +124,7 @@ def request_seeds(value: int | list[int] | None, n: int, first: int = 0) -> list
     return [request_seed(value, first + i) for i in range(n)]
 
 
-def top_k(value: Any, vocab_size: int | None, name: str = "top_k") -> int:
+def top_k_count(value: Any, vocab_size: int | None, name: str = "top_k") -> int:
     """``top_k=``: alternatives reported per step, ``1..vocab_size`` (only ``>= 1`` when the size is unknown)."""
     if vocab_size is None:
         return integer(name, value, lo=1, why=" (alternatives reported per step)")
@@ -278,13 +278,12 @@ def sampling(*, max_tokens: Any, temperature: Any, top_p: Any, seed: Any, top_k:
 
     ``n_prompts``: the call's prompt count (a ``seed`` list must hold one seed each); ``vocab_size``:
     the model's vocabulary (``top_k`` may not exceed it)."""
-    checked_seed = globals()["seed"](seed, n_prompts)  # (the argument shadows the function)
     return {
         "max_tokens": integer("max_tokens", max_tokens, lo=1, why=" (tokens to generate per prompt)"),
         "temperature": number("temperature", temperature, lo=0.0),
         "top_p": number("top_p", top_p, lo=0.0, lo_open=True, hi=1.0),
-        "seed": checked_seed,
-        "top_k": globals()["top_k"](top_k, vocab_size),
+        "seed": call_seed(seed, n_prompts),
+        "top_k": top_k_count(top_k, vocab_size),
         "logits": boolean("logits", logits),
         "ignore_eos": boolean("ignore_eos", ignore_eos),
     }
@@ -357,7 +356,101 @@ def engine_args(args: dict) -> dict:
         out["tensor_parallel_size"] = integer(
             "tensor_parallel_size", out["tensor_parallel_size"], lo=1,
             why=" (the number of devices the model is split over; 1 for one device)")
+    if "seed" in out:  # the engine's own seed (vLLM's default sampler state), not a call's
+        out["seed"] = rng_seed(out["seed"])
+    if out.get("kv_cache_memory_bytes") is not None:
+        out["kv_cache_memory_bytes"] = parse_bytes(out["kv_cache_memory_bytes"], "kv_cache_memory_bytes")
     return out
+
+
+# Config keys vLLM reads a model's context length from (the smallest one present wins).
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                 "max_sequence_length", "max_seq_length", "seq_len")
+
+
+def _text_config(config: dict) -> dict:
+    """The language model's part of a config (a multimodal one nests it under ``text_config``)."""
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
+def _model_context(config: dict) -> tuple[int, str] | None:
+    """(the context length vLLM derives from ``config``, the key it comes from), or None if unknown.
+
+    A RoPE scaling factor (``rope_scaling`` / ``rope_parameters``) multiplies it: an upper bound of
+    what vLLM allows, so the check below never refuses a length vLLM takes."""
+    cfg = _text_config(config)
+    found = [(v, k) for k in _CONTEXT_KEYS if _is_int(v := cfg.get(k)) and v > 0]
+    if not found:
+        return None
+    n, key = min(found)
+    for rope in (cfg.get("rope_scaling"), cfg.get("rope_parameters")):
+        factor = rope.get("factor") if isinstance(rope, dict) else None
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+            n = int(n * factor)
+    return n, key
+
+
+def _kv_bytes_per_token(config: dict, args: dict) -> int | None:
+    """A lower bound of the KV cache bytes one token takes in every attention layer (None where the
+    config does not say plainly: latent attention, no head counts)."""
+    cfg = _text_config(config)
+    if cfg.get("kv_lora_rank") is not None:  # latent attention caches a compressed vector
+        return None
+    layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    heads = cfg.get("num_attention_heads", cfg.get("n_head"))
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    d = cfg.get("hidden_size", cfg.get("n_embd"))
+    head_dim = cfg.get("head_dim") or (d // heads if _is_int(d) and _is_int(heads) and heads else None)
+    if not all(_is_int(x) and x > 0 for x in (layers, kv_heads, head_dim)):
+        return None
+    kv_dtype = str(args.get("kv_cache_dtype", "auto"))
+    value = 1 if "fp8" in kv_dtype else (4 if str(args.get("dtype", "")).removeprefix("torch.") in ("float32", "float")
+                                         else 2)
+    return 2 * layers * kv_heads * head_dim * value  # keys and values
+
+
+def engine_fits(args: dict, config: dict) -> None:
+    """Refuse engine arguments the model's ``config`` (its config.json) already shows cannot work.
+
+    ``max_model_len`` above the model's context (unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set, as
+    vLLM allows then), and a ``kv_cache_memory_bytes`` below what one sequence of ``max_model_len``
+    tokens needs in the KV cache (vLLM refuses to start then, advising a GPU setting). Both are checked
+    against lower bounds: what passes here may still be refused by vLLM at start.
+    """
+    import os
+
+    if not isinstance(config, dict) or "hf_overrides" in args:
+        return
+    context = _model_context(config)
+    asked = args.get("max_model_len")
+    if context is not None and _is_int(asked) and asked > context[0] \
+            and not os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        raise ValueError(f"max_model_len={asked}: the model's context is {context[0]} tokens (config.json "
+                         f"{context[1]}); expected max_model_len <= {context[0]}, -1 (what memory allows) or None "
+                         "(the model's own length)")
+    kv = args.get("kv_cache_memory_bytes")
+    per_token = _kv_bytes_per_token(config, args)
+    if kv is None or per_token is None:
+        return
+    tokens = asked if _is_int(asked) and asked > 0 else (context[0] if context is not None else None)
+    if tokens is None:
+        return
+    window = _text_config(config).get("sliding_window")
+    if _is_int(window) and window > 0:
+        tokens = min(tokens, window)
+    need = per_token * tokens
+    if kv < need:
+        raise ValueError(
+            f"kv_cache_memory_bytes={kv}: one sequence of {tokens} tokens (max_model_len) needs at least "
+            f"{need:,} bytes of KV cache in this model ({per_token:,} bytes a token); pass "
+            f"kv_cache_memory_bytes >= {_human_bytes(need)}, or a smaller max_model_len")
+
+
+def _human_bytes(n: int) -> str:
+    """A size the user can paste back: the smallest MiB (or KiB) count that holds ``n`` bytes."""
+    if n >= 2**20:
+        return f"'{-(-n // 2**20)}MiB'"
+    return f"'{-(-n // 2**10)}KiB'"
 
 
 def token_id(name: str, value: Any, vocab_size: int | None) -> int | None:

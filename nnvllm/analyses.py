@@ -80,6 +80,10 @@ def logit_lens(model, prompt: str | list[dict], max_tokens: int = 10, layers="al
     if not prompt:
         raise ValueError("prompt='': logit_lens needs a non-empty prompt (an empty one has no token to start "
                          "from); pass text such as 'The capital of France is'")
+    if not _validate.layers(layers, model.n_layers):  # checked here: generate() takes no layers as valid
+        raise ValueError(f"layers={layers!r}: the logit lens reads block outputs; expected 'all', a block index "
+                         f"or a list of them (0-{model.n_layers - 1})")
+    # top_k (at most the vocabulary) and the rest are checked by generate() before the engine runs.
     run = generate(model, [prompt], max_tokens=max_tokens, layers=layers, logits=False, top_k=top_k, **sampling)
     return Lens.from_run(run, 0, unembedding(model), k=top_k, tokenizer=model.tokenizer)
 
@@ -110,7 +114,7 @@ def _single_token(tok, text: str | int, name: str, vocab_size: int | None = None
     ids = tok.encode(text, add_special_tokens=False)
     if len(ids) != 1:
         pieces = [tok.decode([i]) for i in ids]
-        # Suggest a text that is one token (the hint used to be ' ' + text, often two tokens itself).
+        # Suggest a text that is one token (' ' + text is often two tokens itself).
         cands = [" " + text.strip(), text.strip()] + ([" " + pieces[0].strip(), pieces[0]] if pieces else [])
         good = next((c for c in cands if c.strip() and len(tok.encode(c, add_special_tokens=False)) == 1), None)
         hint = f"e.g. {good!r}" if good is not None else "often with a leading space"
@@ -175,8 +179,8 @@ def patch(
     from .capture import _context_len
     from .engine.transport import engine_of
 
-    # Every argument is checked before the engine does any work (a bad step or token id used to
-    # fail only after the clean and corrupt generations, or after every patched pass).
+    # Every argument is checked before the engine does any work: a bad step or token id would
+    # otherwise fail only after the clean and corrupt generations, or after every patched pass.
     _check_model(model)
     if site not in ("resid", "attn", "mlp"):
         raise ValueError(f"site={site!r}; patch() writes 'resid', 'attn' or 'mlp' (same width as the stream)")
@@ -229,7 +233,7 @@ def patch(
     corrupt_diff = float(logit_diff(base.logits[1][step], a_id, w_id))
     if clean_diff <= 0 or clean_diff <= corrupt_diff:
         # Normalized effects divide by (clean - corrupt): with the clean prompt not preferring the
-        # answer (or not more than the corrupt one), every effect below is meaningless (issue 14, 10).
+        # answer (or not more than the corrupt one), every effect below is meaningless.
         warnings.warn(
             f"the clean prompt does not prefer answer={answer!r} over wrong={wrong!r}, or not more than the "
             f"corrupt prompt does (logit difference {clean_diff:.3f} clean, {corrupt_diff:.3f} corrupt), so the "

@@ -109,7 +109,11 @@ def generate(
         max_tokens: tokens to generate per prompt (one logits row each).
         temperature: 0 is greedy.
         top_p: nucleus sampling mass.
-        seed: makes sampling reproducible: the same seed draws the same tokens.
+        seed: makes sampling reproducible: the same seed draws the same tokens. Each request draws
+            with a seed of its own, derived from ``seed`` and its index in ``prompts``
+            (:func:`nnvllm._validate.request_seed`: the same rule in :func:`nnvllm.stream`,
+            :func:`nnvllm.collect` and :func:`nnvllm.reference`), so identical prompts give
+            independent draws. A list of one seed per prompt is used as it is.
         layers: blocks whose output (the residual stream) to keep: "all", an int, a list, or None.
         logits: keep the ``[step, d_vocab]`` pre-sampling logits (samples are computed either way).
         top_k: how many alternatives :class:`~nnvllm.results.Samples` reports per step.
@@ -172,7 +176,7 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
     rendered = _chat.render_prompts(getattr(model, "tokenizer", None), prompts, chat_template=chat_template,
                                     chat_template_kwargs=chat_template_kwargs)
     checked = _validate.sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                 top_k=top_k, logits=logits, ignore_eos=ignore_eos)
+                                 top_k=top_k, logits=logits, ignore_eos=ignore_eos, n_prompts=len(prompts))
     max_tokens, temperature, top_p, seed, top_k, logits, ignore_eos = (checked[k] for k in (
         "max_tokens", "temperature", "top_p", "seed", "top_k", "logits", "ignore_eos"))
     sites = _validate.sites(sites)
@@ -181,21 +185,26 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
     if sites and not layer_ids:
         raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
     engine = engine_of(model)  # a closed (or dead) engine says so here
+    top_k = _validate.top_k_count(top_k, engine.info().get("vocab_size"))
     prompt_lens = _prompt_lens(model, prompts, rendered)
     _validate.fits_context(prompt_lens, max_tokens, _context_len(model, engine))
     from . import edits as _edits
     from .engine.worker.handoff import returned_files
 
     edit_list = _edits.resolve(edits, model.arch, model.n_layers, _edits.site_widths(model),
-                               engine.info()["tp"] if edits else 1, n_prompts=len(prompts))
+                               engine.info()["tp"] if edits else 1, n_prompts=len(prompts),
+                               n_positions=None if prompt_lens is None else [n + max_tokens - 1 for n in prompt_lens])
     from .sae import resolve as _resolve_saes
 
     sae_specs = _resolve_saes(saes, model.arch, model.n_layers, _edits.site_widths(model), sae_k, sae_dense)
     arch = model.arch
     wanted = (("resid",) if layer_ids else ()) + sites
-    params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, ignore_eos=ignore_eos)
-    if any(e.prompts is not None for e in edit_list):  # the worker tells prompts apart by this tag
-        params = [dict(params, extra_args={PROMPT_TAG: i}) for i in range(len(prompts))]
+    params = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, ignore_eos=ignore_eos)
+    seeds = _validate.request_seeds(seed, len(prompts))  # each request its own draw (_validate.request_seed)
+    tagged = any(e.prompts is not None for e in edit_list)  # the worker tells prompts apart by this tag
+    if seeds is not None or tagged:
+        params = [dict(params, **({"seed": seeds[i]} if seeds is not None else {}),
+                       **({"extra_args": {PROMPT_TAG: i}} if tagged else {})) for i in range(len(prompts))]
     spec = {"family": arch.family, "layers": list(layer_ids), "sites": list(wanted), "logits": bool(logits),
             "sample": {"temperature": float(temperature), "top_p": float(top_p), "k": int(top_k)},
             "client_pid": os.getpid(), "edits": _edits.to_spec(edit_list), "stream": bool(stream),

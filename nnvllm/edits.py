@@ -76,7 +76,7 @@ class Edit:
         """Set ``site`` at ``layers`` to ``value`` (a float, e.g. ``0.0`` to ablate, or a ``[width]`` vector)."""
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return cls._make("set", site, layers, value=float(value), positions=positions, prompts=prompts)
-        return cls._make("set", site, layers, vector=value, positions=positions, prompts=prompts)
+        return cls._make("set", site, layers, vector=_as_vector(value, "value"), positions=positions, prompts=prompts)
 
     @classmethod
     def patch(cls, source, layers, *, site: str = "resid", request: int = 0, positions: str = "all",
@@ -158,7 +158,7 @@ class Edit:
         if value is not None and not math.isfinite(value):
             raise ValueError(f"value={value!r}; expected a finite number")
         if vector is not None:
-            vector = torch.as_tensor(vector).detach().float().cpu()
+            vector = _as_vector(vector)
             if vector.ndim != 1 or not vector.numel():
                 raise ValueError(f"vector has shape {tuple(vector.shape)}; expected [width], e.g. [d_model] for "
                                  "the residual stream (nv.steering_vector makes one)")
@@ -190,10 +190,30 @@ class Edit:
         return d
 
 
+def _as_vector(vector, name: str = "vector") -> Tensor:
+    """A vector edit's values as a float tensor on the CPU; anything that is not numbers is refused."""
+    expected = "expected a [width] tensor (or list) of numbers, e.g. nv.steering_vector(...)"
+    if name == "value":
+        expected = "expected a float (0.0 ablates) or a [width] tensor (or list) of numbers"
+    if isinstance(vector, Tensor):
+        if vector.is_complex() or vector.dtype == torch.bool:
+            raise TypeError(f"{name} is a {vector.dtype} tensor; {expected}")
+        return vector.detach().float().cpu()
+    if isinstance(vector, (str, bytes, bool)) or vector is None:
+        raise TypeError(f"{name}={vector!r}: {expected}")
+    try:
+        return torch.as_tensor(vector).detach().float().cpu()
+    except (TypeError, ValueError, RuntimeError):
+        shown = repr(vector)
+        raise TypeError(f"{name}={shown[:60] + '...' if len(shown) > 60 else shown} ({type(vector).__name__}): "
+                        f"{expected}") from None
+
+
 def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str, int] | None, tp: int = 1,
-            n_prompts: int | None = None) -> list[Edit]:
+            n_prompts: int | None = None, n_positions: Sequence[int] | None = None) -> list[Edit]:
     """Check ``edits`` against a model (sites it offers, layers it has, vector widths) and the call
-    (``n_prompts``); negative layers become block indices. Raises ValueError / TypeError saying what to fix."""
+    (``n_prompts``; ``n_positions``: per prompt, the positions its forwards can reach: prompt tokens +
+    max_tokens - 1); negative layers become block indices. Raises ValueError / TypeError saying what to fix."""
     if edits is None:
         return []
     if isinstance(edits, Edit):
@@ -226,6 +246,15 @@ def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str,
         if e.prompts is not None and n_prompts is not None and max(e.prompts) >= n_prompts:
             raise ValueError(f"edit for prompts={list(e.prompts)}: the call has {n_prompts} prompt(s) "
                              f"(0..{n_prompts - 1})")
+        if isinstance(e.positions, tuple) and n_positions:
+            # A position no request reaches would change nothing, silently, yet be recorded as an edit.
+            reach = max(n_positions[i] for i in (e.prompts if e.prompts is not None else range(len(n_positions))))
+            past = [p for p in e.positions if p >= reach]
+            if past:
+                raise ValueError(
+                    f"edit positions={list(e.positions)}: {past} lie past the end of every sequence it applies to "
+                    f"(positions 0..{reach - 1}: prompt tokens, then each generated token fed back; the last "
+                    "generated token is never fed back); give positions inside that range, or raise max_tokens")
         out.append(Edit(e.op, e.site, tuple(layers), e.vector, e.value, e.factor, e.positions, e.values, e.prompts))
     return out
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 import sys
 from typing import Sequence
 
@@ -21,7 +20,7 @@ import torch
 from . import _validate
 from .arch import HEAD_SITES, arch_for, attention_spec
 from .results import Run
-from .sampling import sample_stats, sampling_probs
+from .sampling import sample_stats
 
 __all__ = ["reference", "load_reference", "attentions"]
 
@@ -92,7 +91,7 @@ def plain_transformers_classes(config) -> bool:
 @contextlib.contextmanager
 def no_transformers_bars():
     """transformers' "Loading weights" / "Writing model shards" bars off while nnvllm loads or writes a
-    checkpoint for the user (issue 14, item 9); the user's own setting is restored after."""
+    checkpoint for the user; the user's own setting is restored after."""
     from transformers.utils import logging as hf_logging
 
     was = hf_logging.is_progress_bar_enabled()
@@ -102,6 +101,66 @@ def no_transformers_bars():
     finally:
         if was:
             hf_logging.enable_progress_bar()
+
+
+_SAMPLING_EPS = 1e-5  # vLLM samples greedily below this temperature
+
+
+class _Sampler:
+    """One request's draws as vLLM's sampler makes them for a request with its own ``seed``.
+
+    vLLM divides the fp32 logits by the temperature, masks top-p as :func:`nnvllm.sampling.sampling_probs`
+    does, then on the CPU (``TopKTopPSampler.forward_cpu``) takes the request's next
+    ``randint(0, 2**31)`` from a ``torch.Generator`` seeded with its seed and draws
+    ``argmax(logits + gumbel)``, the Gumbel noise of token ``j`` hashed from that number and ``j``
+    (SplitMix64, in float64: ``fused_gumbel_argmax``); on a GPU (``forward_native``) it draws
+    ``argmax(probs / q)``, ``q`` exponential noise from a CUDA generator seeded with the seed.
+    """
+
+    def __init__(self, seed: int, device) -> None:
+        self.device = torch.device(device)
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+
+    def __call__(self, logits, temperature: float, top_p: float) -> int:
+        if temperature < _SAMPLING_EPS:
+            return int(logits.argmax())
+        x = logits.float() / temperature
+        if top_p < 1.0:  # vLLM's apply_top_k_top_p_pytorch (the one nnvllm.sampling repeats)
+            srt, idx = x.sort(descending=False)
+            mask = srt.softmax(-1).cumsum(-1) <= 1 - top_p
+            mask[-1] = False
+            x = x.scatter(-1, idx, srt.masked_fill(mask, float("-inf")))
+        if self.device.type == "cuda":
+            probs = x.softmax(-1, dtype=torch.float32)
+            q = torch.empty_like(probs).exponential_(generator=self.gen)
+            return int(probs.div(q).argmax())
+        noise_seed = int(torch.randint(0, 2**31, (1,), generator=self.gen, dtype=torch.long))
+        return int((x.double().cpu() + _gumbel(noise_seed, x.shape[-1])).argmax())
+
+
+def _u64(x: int) -> int:
+    """A uint64 constant as the int64 bit pattern torch holds."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(x, n: int):
+    """Logical right shift of int64 tensors that hold uint64 bits."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _splitmix64(z):
+    z = (z ^ _shr(z, 30)) * _u64(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _u64(0x94D049BB133111EB)
+    return z ^ _shr(z, 31)
+
+
+def _gumbel(seed: int, vocab: int):
+    """``[vocab]`` float64 Gumbel noise of vLLM's CPU sampler for one row drawn with ``seed``."""
+    key = _splitmix64(torch.tensor(seed, dtype=torch.int64))
+    i = torch.arange(1, vocab + 1, dtype=torch.int64)
+    bits = _shr(_splitmix64(key + i * _u64(0x9E3779B97F4A7C15)), 11)
+    u = (bits.double() + 0.5) * 2.0**-53
+    return -torch.log(-torch.log(u))
 
 
 # ---------------------------------------------------------------- per-head sites (q, k, v, z) and patterns
@@ -283,8 +342,14 @@ def reference(
         chat_template, chat_template_kwargs: how conversations among ``prompts`` are rendered, as
             in :func:`nnvllm.generate` (the same rendering, :mod:`nnvllm.chat`, with this tokenizer).
 
-    The other arguments are those of :func:`nnvllm.generate`. Sampling (temperature > 0) uses
-    torch's RNG seeded with ``seed``, so its draws differ from vLLM's; pass ``tokens`` to compare.
+    The other arguments are those of :func:`nnvllm.generate`. Sampling (temperature > 0) draws as
+    vLLM's sampler does, request by request with the seed :func:`nnvllm.generate` gives that request
+    (:func:`nnvllm._validate.request_seed`; ``seed=None`` draws as ``seed=0``): on the CPU the
+    Gumbel-max draw of vLLM's CPU sampler (a torch ``Generator`` per request gives each step's
+    noise seed, SplitMix64 noise per token), on a GPU the exponential race of vLLM's PyTorch
+    sampler with a per-request CUDA ``Generator``. So the reference draws the tokens a seeded
+    vLLM run on that kind of device draws, as long as the two models' logits agree to well within
+    the gaps between competing tokens; ``tokens=`` compares position by position regardless.
 
     Example:
         >>> ref = nv.reference(nv.toy.path(), "The capital of France is", max_tokens=3)  # doctest: +SKIP
@@ -292,11 +357,10 @@ def reference(
     import json
     from pathlib import Path
 
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path={_validate._show(path)}: expected a checkpoint directory or a hub id (str)")
+    path = _validate.checkpoint(path)
     prompts = _validate.prompts(prompts)
     checked = _validate.sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                                 top_k=top_k, logits=logits, ignore_eos=ignore_eos)
+                                 top_k=top_k, logits=logits, ignore_eos=ignore_eos, n_prompts=len(prompts))
     max_tokens, temperature, top_p, seed, top_k, logits, ignore_eos = (checked[k] for k in (
         "max_tokens", "temperature", "top_p", "seed", "top_k", "logits", "ignore_eos"))
     sites, head_sites = _split_head_sites(sites)
@@ -317,7 +381,6 @@ def reference(
     spec = attention_spec(model.config, arch) if head_sites else None  # refuses where heads cannot be read
     from . import edits as _edits
 
-    edit_list = _edits.resolve(edits, arch, len(model.get_submodule(arch.blocks)), None, n_prompts=len(prompts))
     layer_ids = _validate.layers(layers, len(model.get_submodule(arch.blocks)))
     if sites and not layer_ids:
         raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
@@ -325,6 +388,7 @@ def reference(
         raise ValueError(f"sites={list(head_sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
     wanted = (("resid",) if layer_ids else ()) + sites + head_sites
     vocab = model.get_input_embeddings().num_embeddings
+    top_k = _validate.top_k_count(top_k, vocab)
     from . import chat as _chat
 
     rendered = _chat.render_prompts(tok, prompts, chat_template=chat_template,
@@ -332,15 +396,18 @@ def reference(
     prompt_ids = [list(r.ids) if r is not None else tok.encode(p) for p, r in zip(prompts, rendered)]
     chat = {k: v for k, v in (("chat_template", chat_template), ("chat_template_kwargs", chat_template_kwargs))
             if v is not None and any(r is not None for r in rendered)}
+    reach = [len(p) + (len(t) if tokens is not None else max_tokens) - 1
+             for p, t in zip(prompt_ids, tokens or [None] * len(prompts))]
+    edit_list = _edits.resolve(edits, arch, len(model.get_submodule(arch.blocks)), None, n_prompts=len(prompts),
+                               n_positions=reach)
     for i, t in enumerate(tokens or ()):
         bad = [x for x in t if not 0 <= x < vocab]
         if bad:
             raise ValueError(f"tokens[{i}] holds ids {bad[:5]} outside the vocabulary (0-{vocab - 1})")
     if tokens is None:
         context = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-        _validate.fits_context([len(p) for p in prompt_ids], max_tokens,
-                               context if isinstance(context, int) else None)
-    gen = torch.Generator().manual_seed(seed if seed is not None else 0)
+        _validate.fits_context([len(p) for p in prompt_ids], max_tokens, context if isinstance(context, int) else None)
+    seeds = _validate.request_seeds(0 if seed is None else seed, len(prompts))
     eos = tok.eos_token_id
 
     run = Run(prompts=prompts, prompt_ids=[], tokens=[], text=[], logits=[] if logits else None, samples=[],
@@ -360,14 +427,11 @@ def reference(
                 toks = list(tokens[i])
             else:
                 toks = []
+                draw = _Sampler(seeds[i], model.device) if temperature > 0 else None
                 for _ in range(max_tokens):
                     with torch.no_grad():
-                        last = model(torch.tensor([p_ids + toks], device=model.device)).logits[0, -1].float().cpu()
-                    if temperature == 0:
-                        nxt = int(last.argmax())
-                    else:
-                        probs = sampling_probs(last[None], temperature, top_p)[0]
-                        nxt = int(torch.multinomial(probs, 1, generator=gen))
+                        last = model(torch.tensor([p_ids + toks], device=model.device)).logits[0, -1].float()
+                    nxt = int(last.argmax()) if draw is None else draw(last, temperature, top_p)
                     toks.append(nxt)
                     if nxt == eos and not ignore_eos:
                         break

@@ -4,32 +4,26 @@ For activation datasets (sparse-autoencoder training, probing): :func:`collect` 
 list of prompts chunk by chunk under a memory budget and writes each chunk as one safetensors shard
 as soon as it is produced; :func:`open` (or ``collect``'s return value) reads it back without
 loading it: one request (``ds[i]``), or batches of rows of one site and layer across all shards
-(``ds.iter_batches``).
-
-A dataset is a directory::
-
-    out/
-      index.json                 settings, per-shard file name, request ids, sha256, per-request text
-      shard-00000.safetensors    requests 0..k-1, concatenated along positions
-      shard-00001.safetensors    ...
-
-In a shard, ``resid`` is ``[layer, total_pos, d_model]`` (the shard's requests one after another
-along ``pos``) and ``offsets`` ``[request + 1]`` says where each request starts; ``sites/<name>``
-likewise. Per-step quantities (logits, see :func:`collect`'s ``logits=``) are concatenated along
-``step`` with ``step_offsets``. ``ids`` ``[total_pos]`` holds the token id at each position (prompt,
-then the fed-back generated ids), so every activation row knows its token. Few, large,
-position-major tensors are what memory-mapping and row batches want.
+(``ds.iter_batches``). The directory's layout, writing a shard, the index and the chunk sizes are
+:mod:`nnvllm.shards`.
 
 Shards and ``index.json`` are written atomically (a temporary file, then a rename), and the index
 is rewritten after every shard: an interrupted ``collect`` keeps every finished shard, and calling it
-again with the same arguments resumes where it stopped.
+again with the same arguments resumes where it stopped, after checking the shards it has. Nothing
+on disk is trusted: the index is checked when it is read (its keys and types, and that every shard
+it names is a plain file name inside the folder), and each shard's size and sha256 when it is first
+read (:class:`Dataset`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
+import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,186 +32,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _validate
 from ._validate import parse_bytes
-from .results import Pieces, Run, atomic_write, file_digest, write_safetensors
+from .shards import (FORMAT, IN_FLIGHT, INDEX, LOGITS, SHARD_FORMAT, WRITERS, _config_int, _engine,
+                     _estimate_pos_bytes, _facts, _next_chunk, _policy, _pos_bytes, _prompt_tokens, _read_index,
+                     _request_bytes, _shard_problem, _write_index, write_shard)
+from .shards import _engine_facts  # noqa: F401  (read as store._engine_facts by the tests)
 
-__all__ = ["Dataset", "Record", "collect", "open", "parse_bytes", "write_shard"]
-
-FORMAT = "nnvllm.dataset/1"
-SHARD_FORMAT = "nnvllm.shard/1"
-INDEX = "index.json"
-LOGITS = ("none", "chosen", "top_k", "full")
-
-
-
-
-# ---------------------------------------------------------------- writing one shard (pure)
-
-
-def _policy(logits: str) -> str:
-    if logits not in LOGITS:
-        raise ValueError(f"logits={logits!r}; expected one of {list(LOGITS)}")
-    return logits
-
-
-def _cat(parts: list[Tensor], dim: int) -> Tensor:
-    # torch.cat reads views (also non-contiguous ones into a shared buffer) and returns one new tensor.
-    return torch.cat(parts, dim=dim) if parts else torch.zeros(0)
-
-
-def _offsets(lengths: list[int]) -> Tensor:
-    return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
-
-
-def write_shard(run: Run, path: str | Path, request_ids: Sequence[int], logits_policy: str = "chosen",
-                fsync: bool = True) -> dict:
-    """Write ``run`` as one shard file at ``path`` (atomically) and return its index entry.
-
-    Args:
-        run: a :class:`~nnvllm.results.Run` (its tensors may be views; they are written from their memory).
-        path: the shard file to write.
-        request_ids: the dataset-wide index of each of ``run``'s requests.
-        logits_policy: what to keep per generated step; see :func:`collect`.
-        fsync: wait until the file is on the disk before returning (see :func:`collect`).
-
-    Returns:
-        ``{"file", "requests", "sha256", "bytes", "records"}``; ``records`` holds per request
-        ``prompt, prompt_ids, tokens, text, positions, steps``.
-    """
-    policy = _policy(logits_policy)
-    path = Path(path)
-    n = len(run)
-    ids = [int(i) for i in request_ids]
-    if len(ids) != n:
-        raise ValueError(f"request_ids has {len(ids)} entries for a run of {n} requests")
-    positions = [run.positions(i) for i in range(n)]
-    steps = [len(run.samples[i]) for i in range(n)]
-    # Every tensor is written from the run's own memory (views into the engine's hand-off buffers),
-    # piece by piece: no concatenated copy is made (see results.write_safetensors).
-    tensors: dict[str, Pieces] = {
-        "offsets": Pieces.of(_offsets(positions)),
-        "ids": Pieces.of(torch.tensor([t for i in range(n) for t in run.sequence(i)], dtype=torch.int64)),
-    }
-    acts = {"resid": run.resid} if run.resid is not None else {}
-    acts.update({f"sites/{s}": per for s, per in run.sites.items()})
-    for key, per in acts.items():
-        for i, t in enumerate(per):
-            if t.shape[1] != positions[i]:
-                raise ValueError(f"{key}[{i}] has {t.shape[1]} positions; prompt + fed-back tokens make "
-                                 f"{positions[i]}")
-        tensors[key] = Pieces.cat(list(per), dim=1)
-    if policy != "none":
-        tensors["step_offsets"] = Pieces.of(_offsets(steps))
-    if policy == "chosen":
-        lp = []
-        for i, s in enumerate(run.samples):
-            if s.logprobs is not None:  # the model's log-probability, computed by the engine
-                lp.append(s.logprobs.float())
-            elif run.logits is not None:  # the same, from the logits
-                lp.append(torch.log_softmax(run.logits[i].float(), -1).gather(-1, s.ids[:, None].long())[:, 0])
-            else:  # under the sampling distribution (temperature, top-p): only the same when greedy
-                lp.append(s.probs.float().log())
-        tensors["logprobs"] = Pieces.of(_cat(lp, dim=0))
-    elif policy == "top_k":
-        tensors["top_ids"] = Pieces.cat([s.top_ids for s in run.samples], dim=0)
-        tensors["top_probs"] = Pieces.cat([s.top_probs for s in run.samples], dim=0)
-    elif policy == "full":
-        if run.logits is None:
-            raise ValueError("logits_policy='full' needs a run with logits (nv.generate(..., logits=True))")
-        tensors["logits"] = Pieces.cat(list(run.logits), dim=0)
-    meta = {"requests": json.dumps(ids), "logits": policy, "layers": json.dumps(run.layers),
-            "sites": json.dumps(list(acts)), "format": SHARD_FORMAT}
-    sha = write_safetensors(path, tensors, meta, fsync=fsync)
-    records = [{"prompt": run.prompts[i], "prompt_ids": list(run.prompt_ids[i]), "tokens": list(run.tokens[i]),
-                "text": run.text[i], "positions": positions[i], "steps": steps[i]} for i in range(n)]
-    return {"file": path.name, "requests": ids, "sha256": sha, "bytes": path.stat().st_size,
-            "records": records}
-
-
-# ---------------------------------------------------------------- chunk size from a memory budget
-
-
-def _config_int(model, *names: str) -> int | None:
-    cfg = getattr(model, "config", None)
-    for name in names:
-        v = getattr(cfg, name, None)
-        if isinstance(v, int) and v > 0:
-            return v
-    return None
-
-
-def _prompt_tokens(model, prompts: list[str]) -> int:
-    """Longest prompt in tokens among the first 1000 (the tokenizer if the model has one, else chars/2+1)."""
-    sample = prompts[:1000]
-    tok = getattr(model, "tokenizer", None)
-    try:
-        return max(len(x) for x in tok(sample)["input_ids"]) + 1  # +1: a BOS token some models add
-    except Exception:  # noqa: BLE001 (no tokenizer, or an unusual one: the estimate is rough anyway)
-        return max(len(p) // 2 + 1 for p in sample)
-
-
-# Chunks held at once: the one the engine hands over and up to WRITERS being written.
-WRITERS = 2
-IN_FLIGHT = WRITERS + 1
-
-
-def _request_bytes(*, prompt_tokens: int, max_tokens: int, pos_bytes: int, d_vocab: int) -> int:
-    """Bytes one request holds in this process until its shard is written.
-
-    ``pos_bytes`` is one position's activations over all captured layers and sites (a shard is
-    written straight from them, no copy); ``d_vocab`` > 0 adds ``[step, d_vocab]`` logits (policy
-    "full"; 4 bytes a value, an upper bound for a half-precision engine).
-    """
-    return (prompt_tokens + max_tokens) * pos_bytes + 4 * max_tokens * d_vocab
-
-
-def _estimate_pos_bytes(model, n_layers: int, sites: Sequence[str], value_bytes: int = 4) -> int:
-    """One position's bytes over ``n_layers`` and ``sites`` from the config's widths, ``value_bytes``
-    a value (the engine's dtype; measured after the first chunk)."""
-    d_model = _config_int(model, "hidden_size", "n_embd", "d_model") or 4096
-    d_mlp = _config_int(model, "intermediate_size", "n_inner") or 4 * d_model
-    width = {"resid": d_model, "attn": d_model, "mlp": d_model, "mlp_in": 2 * d_mlp, "mlp_act": d_mlp}
-    return value_bytes * n_layers * sum(width.get(s, d_mlp) for s in ("resid", *sites))
-
-
-def _engine_facts(model) -> tuple[int, int | None]:
-    """(bytes a captured value takes, the scheduler's most requests at once) of ``model``'s engine;
-    (4, None) where the engine does not say."""
-    try:
-        from .engine.transport import engine_of
-
-        info = engine_of(model).info()
-    except Exception:  # noqa: BLE001 (a stand-in model, a closed one: the estimate stays rough)
-        return 4, None
-    dtype = str(info.get("dtype", "")).removeprefix("torch.")
-    value = {"float16": 2, "bfloat16": 2, "float32": 4}.get(dtype, 4)
-    wave = info.get("max_num_seqs")
-    return value, int(wave) if isinstance(wave, int) and wave > 0 else None
-
-
-def _next_chunk(left: int, fits: int, wave: int | None) -> int:
-    """Prompts in the next chunk: ``left`` to go, ``fits`` the most the budget allows, ``wave`` the
-    most the engine's scheduler runs at once (``max_num_seqs``).
-
-    A generate call costs about its step count, whatever its batch (the H200, lane K: 8 chunks of 128
-    prompts took 9.32 s, 16 of 64 took 11.25 s for the same 1,024 prompts), and the requests past a
-    wave wait for a whole second pass. So: whole waves when the budget holds at least one; otherwise
-    as few chunks as the budget allows, of equal size (1,024 prompts at 283 a chunk: four of 256,
-    not three of 283 and a fourth of 175).
-    """
-    fits = max(1, fits)
-    if wave and fits >= wave:
-        return min(left, fits - fits % wave)
-    n = -(-left // fits)
-    return -(-left // n)
-
-
-def _pos_bytes(run: Run) -> int | None:
-    """Measured: one position's activation bytes in ``run`` (None without activations)."""
-    per = ([run.resid] if run.resid is not None else []) + list(run.sites.values())
-    if not per or not len(run):
-        return None
-    return sum(p[0].shape[0] * p[0].shape[-1] * p[0].element_size() for p in per)
+__all__ = ["FORMAT", "INDEX", "LOGITS", "SHARD_FORMAT", "Dataset", "Record", "collect", "open", "parse_bytes",
+           "write_shard"]
 
 
 # ---------------------------------------------------------------- collect
@@ -228,24 +51,19 @@ def _settings_diff(old: dict, new: dict) -> list[str]:
             if old.get(k) != new.get(k)]
 
 
-def _write_index(out: Path, index: dict | str, fsync: bool = True) -> None:
-    text = index if isinstance(index, str) else json.dumps(index, ensure_ascii=False)
-    atomic_write(out / INDEX, lambda tmp: tmp.write_text(text), fsync=fsync)
-
-
-def _read_index(out: Path) -> dict:
-    p = out / INDEX
-    try:
-        index = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"no nnvllm dataset at {str(out)!r}: it has no {INDEX}; create one with "
-                         "nnvllm.collect(model, prompts, out)") from None
-    except (ValueError, UnicodeDecodeError):
-        raise ValueError(f"{str(p)!r} is damaged: not JSON") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise ValueError(f"{str(p)!r} is not an {FORMAT} index "
-                         f"(format={index.get('format') if isinstance(index, dict) else None!r})")
-    return index
+def _drop_bad_shards(out: Path, index: dict, fsync: bool) -> None:
+    """On resume: every listed shard is checked (size and sha256: one read of each); a missing or
+    damaged one is removed with its index entry, so that its requests are collected again."""
+    bad = [(e, why) for e in index["shards"] if (why := _shard_problem(out / e["file"], e)) is not None]
+    if not bad:
+        return
+    for e, _ in bad:
+        (out / e["file"]).unlink(missing_ok=True)
+        index["shards"].remove(e)
+    _write_index(out, index, fsync)
+    warnings.warn(f"out={str(out)!r}: " + "; ".join(f"{e['file']} {why}" for e, why in bad)
+                  + f"; its {sum(len(e['requests']) for e, _ in bad)} request(s) are collected again",
+                  UserWarning, stacklevel=3)
 
 
 def _layers_setting(layers) -> Any:
@@ -272,12 +90,16 @@ def collect(
     memory_budget: int | str = "4GB",
     progress: bool = True,
     fsync: bool = False,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict | None = None,
 ) -> Dataset:
     """Generate from many prompts in chunks and write the activations to disk as they come.
 
     Each chunk is one :func:`nnvllm.generate` call and becomes one shard; nothing but the current
     chunk is held in memory. With ``seed`` (or greedy), results do not depend on the chunking:
-    vLLM seeds each request on its own.
+    each request draws with the seed of its index in ``prompts`` (the rule of
+    :func:`nnvllm.generate`, :func:`nnvllm._validate.request_seed`), whatever chunk it falls in, so
+    ``collect`` and one ``generate`` over all the prompts draw the same tokens.
 
     Logits policy (``logits=``), what is kept per generated step:
 
@@ -305,11 +127,17 @@ def collect(
 
     Resume: ``out`` keeps every finished shard and an index of them. Calling ``collect`` again with
     the same prompts and settings skips the requests already written (``batch_size`` and
-    ``memory_budget`` may change); different prompts or settings are refused.
+    ``memory_budget`` may change); different prompts or settings are refused. Each listed shard is
+    checked first (its size and sha256: one read of every shard); a missing, truncated or damaged
+    one is deleted with a warning and its requests are collected again.
+
+    Every argument is checked before anything is written to ``out``; a ``memory_budget`` that holds
+    less than one request at a time is refused (pass a larger one, or ``batch_size``).
 
     Args:
         model: from :func:`nnvllm.load`.
-        prompts: the prompts, one request each (dataset index = position in this list).
+        prompts: the prompts, one request each (dataset index = position in this list): a str or a
+            conversation (a list of ``{"role", "content"}`` messages; each record keeps its ``roles``).
         out: the dataset directory (created; must be empty or hold this same dataset).
         max_tokens: tokens per prompt, as for :func:`nnvllm.generate` (so are ``layers``, ``sites``,
             ``temperature``, ``top_p``, ``seed``, ``top_k`` and ``ignore_eos``).
@@ -317,6 +145,7 @@ def collect(
         batch_size: prompts per chunk (and shard); None chooses it from ``memory_budget``.
         memory_budget: see above.
         progress: show a ``tqdm`` bar over requests.
+        chat_template, chat_template_kwargs: how conversations are rendered (:func:`nnvllm.generate`).
         fsync: wait for each shard to reach the disk before listing it in the index. Off by
             default: an interrupted or killed ``collect`` still keeps every listed shard complete
             (files are renamed into place once written), but after a power loss or an OS crash a
@@ -334,25 +163,72 @@ def collect(
     """
     from tqdm.auto import tqdm
 
-    from .capture import generate
+    from .capture import _context_len, _prompt_lens, generate
 
+    # Every argument is checked before anything is written to ``out``: a bad value that reached the
+    # index would be recorded as the dataset's setting, and the corrected call refused as "other settings".
+    if getattr(model, "arch", None) is None or not hasattr(model, "n_layers"):
+        raise TypeError(f"model={_validate._show(model)}: expected a model from nv.load(...)")
     policy = _policy(logits)
-    if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not all(isinstance(p, str) for p in prompts):
-        raise TypeError(f"prompts must be a list of str (one request each), got {type(prompts).__name__}")
-    if not prompts or not all(prompts):
-        raise ValueError("prompts is empty or holds an empty string; every prompt needs at least one token")
-    prompts = list(prompts)
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-                                   or batch_size < 1):
-        raise ValueError(f"batch_size={batch_size!r}; expected an int >= 1 or None (from memory_budget)")
+    if isinstance(prompts, str) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of prompts (one request each: a str or a conversation), got "
+                        f"{type(prompts).__name__}")
+    prompts = _validate.prompts(prompts)
+    from . import chat as _chat
+
+    # Rendered here to measure them (and to refuse a bad conversation before anything is written).
+    rendered = _chat.render_prompts(getattr(model, "tokenizer", None), prompts, chat_template=chat_template,
+                                    chat_template_kwargs=chat_template_kwargs)
+    chat = {k: v for k, v in (("chat_template", chat_template), ("chat_template_kwargs", chat_template_kwargs))
+            if v is not None}
+    checked = _validate.sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                 top_k=top_k, logits=False, ignore_eos=ignore_eos, n_prompts=len(prompts))
+    max_tokens, temperature, top_p, seed, top_k, ignore_eos = (checked[k] for k in (
+        "max_tokens", "temperature", "top_p", "seed", "top_k", "ignore_eos"))
+    sites = _validate.sites(sites)
+    model.arch.check_sites(sites)
+    layer_ids = _validate.layers(layers, model.n_layers)
+    if sites and not layer_ids:
+        raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
+    if batch_size is not None:
+        batch_size = _validate.integer("batch_size", batch_size, lo=1,
+                                       expected="expected an int >= 1 or None (chosen from memory_budget)")
     budget = parse_bytes(memory_budget)
-    if isinstance(sites, str):
-        sites = (sites,)
+    progress, fsync = _validate.boolean("progress", progress), _validate.boolean("fsync", fsync)
+    if not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"out={_validate._show(out)}: expected a directory path (str or pathlib.Path)")
+    engine = _engine(model)  # a closed (or dead) engine says so here
+    info = engine.info() if engine is not None else {}
+    top_k = _validate.top_k_count(top_k, info.get("vocab_size"))
+    prompt_lens = _prompt_lens(model, prompts, rendered)  # every prompt must fit the context with max_tokens
+    _validate.fits_context(prompt_lens, max_tokens, _context_len(model, engine) if engine is not None else None)
     settings = {
         "model": getattr(model, "checkpoint", None), "max_tokens": max_tokens, "layers": _layers_setting(layers),
         "sites": list(sites), "logits": policy, "temperature": temperature, "top_p": top_p, "seed": seed,
-        "top_k": top_k, "ignore_eos": ignore_eos,
+        "top_k": top_k, "ignore_eos": ignore_eos, **({"chat": chat} if chat else {}),
     }
+    # "chosen" comes from the engine (Samples.logprobs): only "full" ships the logits themselves.
+    want_logits = policy == "full"
+    d_vocab = _config_int(model, "vocab_size") or 2**17
+    prompt_tokens = (max(prompt_lens[:1000]) + 1 if prompt_lens else _prompt_tokens(model, prompts)) \
+        if batch_size is None else 0  # +1: a BOS token some models add
+    value_bytes, wave = _facts(info)
+    pos_bytes = None
+
+    def request_bytes() -> int:
+        n_layers = len(layer_ids)
+        pb = (pos_bytes or _estimate_pos_bytes(model, n_layers, sites, value_bytes)) if n_layers else 0
+        return max(1, _request_bytes(prompt_tokens=prompt_tokens, max_tokens=max_tokens, pos_bytes=pb,
+                                     d_vocab=d_vocab if want_logits else 0))
+
+    if batch_size is None and budget // IN_FLIGHT < request_bytes():
+        least = IN_FLIGHT * request_bytes()
+        raise ValueError(
+            f"memory_budget={memory_budget!r} holds less than one request: one takes about "
+            f"{request_bytes():,} bytes here (prompt {prompt_tokens} + {max_tokens} tokens x the captured "
+            f"layers and sites), and {IN_FLIGHT} chunks are in memory at once (one generated, two being "
+            f"written); pass memory_budget >= {least:,} (e.g. '{-(-least // 2**20)}MiB'), or batch_size=")
+
     out = Path(out)
     digest = hashlib.sha256(json.dumps(prompts, ensure_ascii=False).encode()).hexdigest()
     if (out / INDEX).exists():
@@ -365,11 +241,9 @@ def collect(
         if index["n_requests"] != len(prompts) or index["prompts_sha256"] != digest:
             raise ValueError(f"out={str(out)!r} holds a dataset of {index['n_requests']} other prompts "
                              f"(this call has {len(prompts)}). Pass the same prompts to resume, or a new out=.")
-        missing = [s["file"] for s in index["shards"] if not (out / s["file"]).is_file()]
-        if missing:
-            raise ValueError(f"out={str(out)!r} lacks shards its index lists: {missing}; pass a new out=")
         for stale in out.glob(".*.tmp"):  # left by a killed write (ours: see results.atomic_write)
             stale.unlink()
+        _drop_bad_shards(out, index, fsync)
     else:
         if out.exists() and (not out.is_dir() or any(not (p.name.startswith(".") and p.suffix == ".tmp")
                                                      for p in out.iterdir())):
@@ -382,22 +256,11 @@ def collect(
 
     done = {r for s in index["shards"] for r in s["requests"]}
     todo = [i for i in range(len(prompts)) if i not in done]
-    # "chosen" comes from the engine (Samples.logprobs): only "full" ships the logits themselves.
-    want_logits = policy == "full"
-    d_vocab = _config_int(model, "vocab_size") or 2**17
-    prompt_tokens = _prompt_tokens(model, prompts) if todo and batch_size is None else 0
-    pos_bytes = None
-
-    value_bytes, wave = _engine_facts(model) if todo and batch_size is None else (4, None)
 
     def chunk_size(left: int) -> int:
         if batch_size is not None:
             return batch_size
-        n_layers = model.n_layers if layers == "all" else len(_layers_setting(layers) or [])
-        pb = (pos_bytes or _estimate_pos_bytes(model, n_layers, sites, value_bytes)) if n_layers else 0
-        each = _request_bytes(prompt_tokens=prompt_tokens, max_tokens=max_tokens, pos_bytes=pb,
-                              d_vocab=d_vocab if want_logits else 0)
-        return _next_chunk(left, budget // (IN_FLIGHT * max(each, 1)), wave)
+        return _next_chunk(left, budget // (IN_FLIGHT * request_bytes()), wave)
 
     # The engine generates chunk k + 1 while chunk k is written: shards are written in background
     # threads (at most WRITERS at once; the writer releases the GIL), and the index lists a shard
@@ -425,9 +288,13 @@ def collect(
         start = 0
         while start < len(todo):
             ids = todo[start:start + chunk_size(len(todo) - start)]
+            # Each request draws with the seed of its place in the whole list, whatever the chunking.
+            seeds = None if seed is None else [seed[i] if isinstance(seed, list) else _validate.request_seed(seed, i)
+                                               for i in ids]
             run = generate(model, [prompts[i] for i in ids], max_tokens=max_tokens, temperature=temperature,
-                           top_p=top_p, seed=seed, layers=layers, logits=want_logits, top_k=top_k,
-                           sites=sites, ignore_eos=ignore_eos)
+                           top_p=top_p, seed=seeds, layers=layers, logits=want_logits, top_k=top_k, sites=sites,
+                           ignore_eos=ignore_eos,
+                           **(chat if any(rendered[i] is not None for i in ids) else {}))
             if index["layers"] is None:
                 acts = ({"resid": run.resid} if run.resid is not None else {}) | run.sites
                 index.update(layers=run.layers, meta=run.meta,
@@ -469,17 +336,20 @@ class Record:
 
     Attributes:
         index: the request's position in the prompts given to :func:`collect`.
-        prompt, prompt_ids, tokens, text: as in :class:`~nnvllm.results.Run`.
+        prompt, prompt_ids, tokens, text: as in :class:`~nnvllm.results.Run` (``prompt``: a str or a
+            conversation).
         ids: ``[pos]`` the token id at each position (prompt, then fed-back generated ids).
         resid: ``[layer, pos, d_model]``, or None if not collected.
         sites: ``{name: [layer, pos, width]}``.
         logprobs: ``[step]`` (logits policy "chosen"), else None.
         top_ids, top_probs: ``[step, k]`` (policy "top_k"), else None.
         logits: ``[step, d_vocab]`` (policy "full"), else None.
+        roles: one label per position (:attr:`nnvllm.Run.roles`), or None (a dataset written without them).
+        prompt_text: the text the model read (a conversation rendered by its template), or None.
     """
 
     index: int
-    prompt: str
+    prompt: str | list[dict]
     prompt_ids: list[int]
     tokens: list[int]
     text: str
@@ -490,6 +360,8 @@ class Record:
     top_ids: Tensor | None = None
     top_probs: Tensor | None = None
     logits: Tensor | None = None
+    roles: list[str] | None = None
+    prompt_text: str | None = None
 
 
 class Dataset:
@@ -503,14 +375,26 @@ class Dataset:
         widths: ``{site: width}``.
         n_prompts: how many prompts the dataset is for; ``len(ds)`` of them are written.
 
+    Reads are checked: the first time this object reads a shard, the shard's size and sha256 are
+    compared with the index, and a damaged shard raises a ``ValueError`` naming it instead of
+    returning wrong numbers. That costs one pass over the shard's file, once: sha256 of a cached
+    1 GiB file took 0.84-1.25 s on the 2-core CPU box, against milliseconds for one ``ds[i]``.
+    ``check=False`` skips the sha256 (the size is still compared): reads are then unchecked, and
+    :meth:`verify` checks every shard at once.
+
     Example:
         >>> ds = nnvllm.store.open("acts/")                          # doctest: +SKIP
         >>> ds[0].resid.shape                                        # [layer, pos, d_model]  # doctest: +SKIP
         >>> next(ds.iter_batches("resid", layer=3, batch_rows=1024)).shape   # [1024, d_model]  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, check: bool = True) -> None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path={_validate._show(path)}: expected a dataset directory (str or pathlib.Path)")
         self.path = Path(path)
+        self.check = _validate.boolean("check", check)
+        self._checked: set[int] = set()  # shards whose file matched the index (this object)
+        self._lock = threading.Lock()
         index = _read_index(self.path)
         self._index = index
         self.settings: dict = index["settings"]
@@ -537,12 +421,35 @@ class Dataset:
                 f"logits {self.settings['logits']!r}>")
 
     def _shard(self, k: int) -> Path:
-        return self.path / self._index["shards"][k]["file"]
+        """Shard ``k``'s file, checked against the index the first time (see the class)."""
+        entry = self._index["shards"][k]
+        path = self.path / entry["file"]
+        if k not in self._checked:
+            with self._lock:
+                if k not in self._checked:
+                    why = _shard_problem(path, entry, checksum=self.check)
+                    if why is not None:
+                        raise ValueError(f"dataset shard {str(path)!r} {why}; its requests "
+                                         f"{_span(entry['requests'])} cannot be read. ds.verify() checks every shard; "
+                                         "collect again with the same arguments to redo it.")
+                    self._checked.add(k)
+        return path
+
+    @contextlib.contextmanager
+    def _open(self, k: int):
+        """safe_open of shard ``k``; a read that fails names the file."""
+        from safetensors import SafetensorError, safe_open
+
+        path = self._shard(k)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                yield f
+        except (SafetensorError, OSError, KeyError, RuntimeError) as e:  # a damaged header, a missing tensor
+            raise ValueError(f"dataset shard {str(path)!r} cannot be read ({type(e).__name__}: {e}); ds.verify() "
+                             "checks every shard; collect again with the same arguments to redo a damaged one.") from None
 
     def __getitem__(self, i: int) -> Record:
         """Read request ``i`` (its slices of one shard only)."""
-        from safetensors import safe_open
-
         if isinstance(i, bool) or not isinstance(i, int):
             raise TypeError(f"dataset index must be an int, got {type(i).__name__}")
         n = len(self)
@@ -553,7 +460,7 @@ class Dataset:
         k, local = self._where[j]
         rec = self._index["shards"][k]["records"][local]
         policy = self.settings["logits"]
-        with safe_open(str(self._shard(k)), framework="pt") as f:
+        with self._open(k) as f:
             off = f.get_slice("offsets")[local:local + 2].tolist()
             a, b = off[0], off[1]
             acts = {s: f.get_slice("resid" if s == "resid" else f"sites/{s}")[:, a:b] for s in self.sites}
@@ -564,7 +471,8 @@ class Dataset:
                 extra = {name: f.get_slice(name)[sa:sb] for name in names}
             ids = f.get_slice("ids")[a:b]
         return Record(index=j, prompt=rec["prompt"], prompt_ids=rec["prompt_ids"], tokens=rec["tokens"],
-                      text=rec["text"], ids=ids, resid=acts.pop("resid", None), sites=acts, **extra)
+                      text=rec["text"], ids=ids, resid=acts.pop("resid", None), sites=acts, **extra,
+                      roles=rec.get("roles"), prompt_text=rec.get("prompt_text"))
 
     def iter_batches(self, site: str = "resid", *, layer: int, batch_rows: int = 4096) -> Iterator[Tensor]:
         """Yield ``[rows, width]`` batches of one site at one layer, over every position of every request.
@@ -578,8 +486,6 @@ class Dataset:
             layer: a block index in :attr:`layers`.
             batch_rows: rows per batch.
         """
-        from safetensors import safe_open
-
         if site not in self.sites:
             raise ValueError(f"site={site!r} was not collected; this dataset has {self.sites}")
         if layer not in self.layers:
@@ -591,7 +497,7 @@ class Dataset:
         pending: list[Tensor] = []
         have = 0
         for k in range(len(self._index["shards"])):
-            with safe_open(str(self._shard(k)), framework="pt") as f:
+            with self._open(k) as f:
                 sl = f.get_slice(key)
                 total = sl.get_shape()[1]
                 a = 0
@@ -607,23 +513,30 @@ class Dataset:
             yield torch.cat(pending)
 
     def verify(self) -> None:
-        """Check every shard against the sha256 in the index (reads every byte).
+        """Check every shard against the size and sha256 in the index (reads every byte).
 
         Raises:
             ValueError: naming each missing or damaged shard.
         """
         bad = []
-        for s in self._index["shards"]:
-            p = self.path / s["file"]
-            if not p.is_file():
-                bad.append(f"{s['file']} is missing")
-            elif file_digest(p) != s["sha256"]:
-                bad.append(f"{s['file']} is damaged (checksum mismatch)")
+        for k, e in enumerate(self._index["shards"]):
+            why = _shard_problem(self.path / e["file"], e)
+            if why is None:
+                self._checked.add(k)
+            else:
+                bad.append(f"{e['file']} {why}")
         if bad:
             raise ValueError(f"dataset {str(self.path)!r}: " + "; ".join(bad)
-                             + ". Re-create it (collect into a new directory).")
+                             + ". Collect again with the same arguments to redo them.")
 
 
-def open(path: str | Path) -> Dataset:  # shadows the builtin inside this module: use Path methods here
-    """Open the dataset :func:`collect` wrote at ``path`` (lazily: reads only ``index.json``)."""
-    return Dataset(path)
+def open(path: str | Path, *, check: bool = True) -> Dataset:  # shadows the builtin here: use Path methods
+    """Open the dataset :func:`collect` wrote at ``path`` (lazily: reads only ``index.json``).
+
+    ``check``: compare each shard's sha256 with the index when it is first read (see :class:`Dataset`)."""
+    return Dataset(path, check=check)
+
+
+def _span(ids: list[int]) -> str:
+    """Request indices, short: ``0-63`` for a run of them."""
+    return f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 1 else str(ids)

@@ -97,6 +97,7 @@ class Stream:
 
         for kind, outputs, extra in self._events:
             if kind == "done":
+                self._events.close()  # the transport's generator ends here: the engine is free for the next call
                 self.stopped = self._stop.is_set()
                 self.run = run = _assemble(self.model, self._req, outputs, extra)
                 # Tokens that arrived with the end (an isolated engine runs ahead of its frames):

@@ -9,6 +9,7 @@ a clean prompt exactly as before.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -103,6 +104,24 @@ LOAD_ROWS = [
     ("exact with fp16", None, {"exact": True, "dtype": "float16"}, ValueError, ["exact=True", "dtype='float16'"]),
     ("exact='yes'", None, {"exact": "yes"}, TypeError, ["exact='yes'", "True or False"]),
     ("cuda_graphs=1", None, {"cuda_graphs": 1}, TypeError, ["cuda_graphs=1", "True or False"]),
+    ("seed='x'", None, {"seed": "x"}, TypeError, ["seed='x'", "expected None or an int"]),
+    ("seed=-1", None, {"seed": -1}, ValueError, ["seed=-1", "2**63 - 1"]),
+    ("seed='x', isolated", None, {"seed": "x", "isolate": True}, TypeError, ["seed='x'"]),
+    ("max_model_len=10**6", None, {"max_model_len": 10**6}, ValueError,
+     ["max_model_len=1000000", f"the model's context is {TOY_CONTEXT} tokens (config.json n_positions)",
+      f"max_model_len <= {TOY_CONTEXT}"]),
+    ("max_model_len=10**6, isolated", None, {"max_model_len": 10**6, "isolate": True}, ValueError,
+     ["max_model_len=1000000"]),
+    ("kv_cache_memory_bytes=1", None, {"kv_cache_memory_bytes": 1}, ValueError,
+     ["kv_cache_memory_bytes=1", f"one sequence of {TOY_CONTEXT} tokens (max_model_len)", "kv_cache_memory_bytes >="]),
+    ("kv_cache_memory_bytes=1, isolated", None, {"kv_cache_memory_bytes": 1, "isolate": True}, ValueError,
+     ["kv_cache_memory_bytes=1"]),
+    ("kv_cache_memory_bytes too small for max_model_len=32", None,
+     {"kv_cache_memory_bytes": "10KiB", "max_model_len": 32}, ValueError,
+     ["kv_cache_memory_bytes=10240", "one sequence of 32 tokens"]),
+    ("kv_cache_memory_bytes='lots'", None, {"kv_cache_memory_bytes": "lots"}, ValueError,
+     ["kv_cache_memory_bytes='lots'", "'1.5GiB'"]),
+    ("kv_cache_memory_bytes=1.5", None, {"kv_cache_memory_bytes": 1.5}, TypeError, ["kv_cache_memory_bytes=1.5"]),
 ]
 
 
@@ -131,7 +150,19 @@ VALID_LOADS = [
     ("dtype=torch.float16, max_model_len=None", None, {"dtype": torch.float16, "max_model_len": None}),
     ("tensor_parallel_size=np.int64(1)", None, {"tensor_parallel_size": np.int64(1)}),
     ("exact=True, dtype=float32", None, {"exact": True, "dtype": "float32"}),
+    ("seed=7, max_model_len=the context", None, {"seed": 7, "max_model_len": TOY_CONTEXT}),
+    ("kv_cache_memory_bytes=256 MiB", None, {"kv_cache_memory_bytes": 256 << 20}),
 ]
+
+
+def test_a_longer_context_passes_where_vllm_is_told_to_allow_it(no_engine, monkeypatch):
+    """vLLM takes a max_model_len beyond the model's with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: so does load()."""
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with pytest.raises(EngineStarted):
+        nv.load(None, isolate=False, max_model_len=2 * TOY_CONTEXT)
+    with pytest.raises(EngineStarted):  # a KV cache size given as text becomes bytes
+        nv.load(None, isolate=False, kv_cache_memory_bytes="1MiB")
+    assert no_engine[-1][1]["kv_cache_memory_bytes"] == 2**20
 
 
 def _bin_checkpoint(d: Path) -> str:
@@ -173,6 +204,14 @@ def _lens(prompt, **kw):
     return lambda model: nv.logit_lens(model, prompt, max_tokens=1, **kw)
 
 
+def _generate(**kw):
+    return lambda model: nv.generate(model, kw.pop("prompts", CLEAN), **{"max_tokens": 2, **kw})
+
+
+def _steer(**kw):
+    return nv.Edit.add(torch.ones(64), layers=0, **kw)  # the toy's d_model is 64
+
+
 N_PROMPT = 5  # tokens in CLEAN / CORRUPT for the toy tokenizer (checked below)
 MAX_STEP = TOY_CONTEXT - N_PROMPT - 1
 
@@ -198,6 +237,30 @@ ENGINE_ROWS = [
     ("lens prompt=42", _lens(42), TypeError, ["prompt=42", "one prompt"]),
     ("lens prompt=None", _lens(None), TypeError, ["prompt=None"]),
     ("lens a list", _lens([CLEAN, CORRUPT]), TypeError, ["one prompt"]),
+    ("lens top_k=10**6", _lens(CLEAN, top_k=10**6), ValueError, ["top_k=1000000", f"top_k <= {TOY_VOCAB}"]),
+    ("lens layers=None", _lens(CLEAN, layers=None), ValueError, ["layers=None", "the logit lens reads block outputs"]),
+    ("lens layers=[]", _lens(CLEAN, layers=[]), ValueError, ["layers=[]"]),
+    ("generate top_k=vocab+1", _generate(top_k=TOY_VOCAB + 1), ValueError,
+     [f"top_k={TOY_VOCAB + 1}", f"1 <= top_k <= {TOY_VOCAB}", f"vocabulary has {TOY_VOCAB} tokens"]),
+    ("stream top_k=10**6", lambda model: nv.stream(model, CLEAN, top_k=10**6), ValueError, ["top_k=1000000"]),
+    ("generate a seed list of the wrong length", _generate(seed=[1, 2]), ValueError,
+     ["seed holds 2 seeds for 1 prompt(s)"]),
+    # CLEAN is 5 tokens: with max_tokens=2 the forwards see positions 0..5 (the last token is never fed)
+    ("edit positions=[500]", _generate(edits=[_steer(positions=[500])]), ValueError,
+     ["edit positions=[500]", "[500] lie past the end", "positions 0..5"]),
+    ("edit positions=[6], one past", _generate(edits=[_steer(positions=[6])]), ValueError, ["[6] lie past the end"]),
+    ("edit positions past the end of the prompt it applies to",
+     _generate(prompts=[CLEAN, CLEAN + " and more words here"], edits=[_steer(positions=[8], prompts=[0])]),
+     ValueError, ["[8] lie past the end", "positions 0..5"]),
+    ("reference of a missing folder", lambda model: nv.reference("/nonexistent", CLEAN), FileNotFoundError,
+     ["path='/nonexistent': no such checkpoint directory"]),
+    ("reference of a file", lambda model: nv.reference(__file__, CLEAN), ValueError, ["is a file; pass the model's"]),
+    ("reference top_k=10**6", lambda model: nv.reference(nv.toy.path(), CLEAN, top_k=10**6), ValueError,
+     ["top_k=1000000", f"top_k <= {TOY_VOCAB}"]),
+    ("reference edit positions=[500]",
+     lambda model: nv.reference(nv.toy.path(), CLEAN, max_tokens=2, edits=[_steer(positions=[500])]), ValueError,
+     ["[500] lie past the end"]),
+    ("a file as a dataset", lambda model: nv.Dataset(__file__), ValueError, ["is a file, not a dataset"]),
 ]
 
 
@@ -208,15 +271,59 @@ def test_the_toy_prompts_have_the_length_the_table_assumes(toy_engine):
     assert model.llm.llm_engine.model_config.get_vocab_size() == TOY_VOCAB
 
 
+@pytest.fixture
+def generations(monkeypatch):
+    """Count the generations that reach the engine (captures and streams of the in-process transport)."""
+    from nnvllm.engine import transport
+
+    count = []
+    for name in ("capture", "stream"):
+        real = getattr(transport.InProcessEngine, name)
+
+        def counted(self, *a, _real=real, **k):
+            count.append(1)
+            return _real(self, *a, **k)
+
+        monkeypatch.setattr(transport.InProcessEngine, name, counted)
+    return count
+
+
 @pytest.mark.parametrize("row", ENGINE_ROWS, ids=[r[0] for r in ENGINE_ROWS])
-def test_bad_analysis_argument_is_refused_and_the_engine_lives_on(toy_engine, row):
+def test_bad_analysis_argument_is_refused_and_the_engine_lives_on(toy_engine, generations, row):
     model, before = toy_engine
     _, call, exc, needles = row
     with pytest.raises(exc) as info:
         call(model)
     for needle in needles:
         assert needle in str(info.value), (needle, str(info.value))
+    assert generations == []  # refused before anything was generated
     assert nv.generate(model, CLEAN, max_tokens=2).text[0] == before
+
+
+def test_the_edges_the_new_checks_let_through(toy_engine):
+    """The last position a generation feeds, top_k = the vocabulary."""
+    model, before = toy_engine
+    plain = nv.generate(model, CLEAN, max_tokens=2, top_k=TOY_VOCAB, ignore_eos=True)
+    assert plain.samples[0].top_ids.shape == (2, TOY_VOCAB)
+    steered = nv.generate(model, CLEAN, max_tokens=2, ignore_eos=True, edits=[_steer(positions=[5])])
+    assert torch.equal(steered.resid[0][:, :5], plain.resid[0][:, :5])  # the prompt rows: untouched
+    assert not torch.equal(steered.resid[0][:, 5], plain.resid[0][:, 5])  # the fed-back token's row: edited
+    assert nv.generate(model, CLEAN, max_tokens=2).text[0] == before
+
+
+@pytest.mark.parametrize("kw,needle", [({"seed": "x"}, "seed='x'"), ({"layers": 99}, "layer=99"),
+                                       ({"sites": ["bogus"]}, "unknown ['bogus']"),
+                                       ({"memory_budget": 1}, "memory_budget=1 holds less than one request"),
+                                       ({"top_k": 10**6}, "top_k=1000000"),
+                                       ({"max_tokens": 10**6}, "max_tokens=1000000")])
+def test_collect_leaves_no_dataset_behind_for_a_bad_argument(toy_engine, generations, tmp_path, kw, needle):
+    """A refused collect writes nothing: the corrected call then collects into the same folder."""
+    model, _ = toy_engine
+    with pytest.raises((ValueError, TypeError), match=re.escape(needle)):
+        nv.collect(model, [CLEAN, CORRUPT], tmp_path / "ds", **{"max_tokens": 2, "progress": False, **kw})
+    assert not (tmp_path / "ds").exists() and generations == []
+    ds = nv.collect(model, [CLEAN, CORRUPT], tmp_path / "ds", max_tokens=2, progress=False)
+    assert ds.complete
 
 
 def test_the_largest_step_and_edge_token_ids_still_run(toy_engine):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import types
 
 import pytest
@@ -17,6 +18,7 @@ from safetensors import safe_open
 
 import nnvllm.capture
 from nnvllm import store
+from nnvllm.arch import arch_for
 from nnvllm.results import Run, Samples
 
 D_MODEL, D_VOCAB, N_LAYERS = 8, 13, 3
@@ -57,17 +59,20 @@ def fake_run(prompts, max_tokens=3, layers="all", sites=(), logits=True, top_k=3
 
 @pytest.fixture
 def fake(monkeypatch):
-    """A stand-in model, and nnvllm.capture.generate replaced by fake_run; records each call's prompts."""
+    """A stand-in model, and nnvllm.capture.generate replaced by fake_run; records each call's prompts
+    (and in ``model.seeds`` each call's ``seed=``)."""
     calls: list[list[str]] = []
 
     def generate(model, prompts, **kw):
         calls.append(list(prompts))
+        model.seeds.append(kw.get("seed"))
         if model.fail_on_call == len(calls):
             raise RuntimeError("engine died")
         return fake_run(prompts, **kw)
 
     monkeypatch.setattr(nnvllm.capture, "generate", generate)
-    model = types.SimpleNamespace(checkpoint="fake", n_layers=N_LAYERS, tokenizer=None, fail_on_call=None,
+    model = types.SimpleNamespace(checkpoint="fake", n_layers=N_LAYERS, tokenizer=None, fail_on_call=None, seeds=[],
+                                  arch=arch_for(["GPT2LMHeadModel"]),
                                   config=types.SimpleNamespace(hidden_size=D_MODEL, vocab_size=D_VOCAB))
     return model, calls
 
@@ -240,10 +245,16 @@ def test_memory_budget_sets_the_chunk_size(tmp_path, fake):
     store.collect(half, PROMPTS, tmp_path / "h", max_tokens=4, memory_budget=3 * 3 * each, logits="none",
                   progress=False)
     assert [len(c) for c in calls] == [4, 3]  # one whole scheduler batch, then the rest
-    calls.clear()
-    model.tokenizer = None  # chars / 2 + 1 = 9 tokens: a larger first chunk, then the measured widths
-    store.collect(model, PROMPTS, tmp_path / "b", max_tokens=4, memory_budget="1KB", progress=False)
-    assert [len(c) for c in calls] == [1] * 7  # never fewer than one prompt
+    calls.clear()  # a budget that holds one request at a time: chunks of one
+    store.collect(model, PROMPTS, tmp_path / "one", max_tokens=4, memory_budget=3 * each, progress=False)
+    assert [len(c) for c in calls] == [1] * 7
+    calls.clear()  # less than that: refused before anything is written
+    with pytest.raises(ValueError, match=rf"memory_budget='1KB' holds less than one request: one takes about "
+                                         rf"{each:,} bytes.*memory_budget >= {3 * each:,}"):
+        store.collect(model, PROMPTS, tmp_path / "b", max_tokens=4, memory_budget="1KB", progress=False)
+    with pytest.raises(ValueError, match="memory_budget=1 holds less than one request"):
+        store.collect(model, PROMPTS, tmp_path / "b", max_tokens=4, memory_budget=1, progress=False)
+    assert calls == [] and not (tmp_path / "b").exists()
 
 
 def test_interrupted_collect_resumes(tmp_path, fake):
@@ -329,6 +340,193 @@ def test_collect_refuses_another_dataset(tmp_path, fake):
         store.open(tmp_path / "junk")
 
 
+# Each bad argument is refused before the dataset folder is made; the corrected call then works.
+BAD_COLLECT = [
+    ({"seed": "x"}, TypeError, "seed='x'"),
+    ({"seed": -1}, ValueError, "seed=-1"),
+    ({"seed": [1, 2]}, ValueError, "seed holds 2 seeds for 7 prompt(s)"),
+    ({"layers": 99}, ValueError, "layer=99 out of range for a 3-layer model"),
+    ({"sites": ["bogus"]}, ValueError, "unknown ['bogus']"),
+    ({"sites": ["mlp"], "layers": None}, ValueError, "needs layers"),
+    ({"max_tokens": 0}, ValueError, "max_tokens=0"),
+    ({"temperature": "hot"}, TypeError, "temperature='hot'"),
+    ({"top_p": 0}, ValueError, "top_p=0"),
+    ({"top_k": 0}, ValueError, "top_k=0"),
+    ({"ignore_eos": "no"}, TypeError, "ignore_eos='no'"),
+    ({"batch_size": 0}, ValueError, "batch_size=0"),
+    ({"batch_size": 2.5}, TypeError, "batch_size=2.5"),
+    ({"memory_budget": "lots"}, ValueError, "memory_budget='lots'"),
+    ({"progress": "yes"}, TypeError, "progress='yes'"),
+    ({"fsync": 1}, TypeError, "fsync=1"),
+    ({"logits": "probs"}, ValueError, "logits='probs'"),
+]
+
+
+@pytest.mark.parametrize("kw,exc,needle", BAD_COLLECT, ids=[repr(r[0]) for r in BAD_COLLECT])
+def test_collect_checks_every_argument_before_writing(tmp_path, fake, kw, exc, needle):
+    model, calls = fake
+    with pytest.raises(exc) as info:
+        store.collect(model, PROMPTS, tmp_path / "ds", **{"max_tokens": 3, "progress": False, **kw})
+    assert needle in str(info.value), str(info.value)
+    assert not (tmp_path / "ds").exists() and calls == []
+    ds = store.collect(model, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=3, progress=False)
+    assert ds.complete
+    with pytest.raises(TypeError, match="expected a model from nv.load"):
+        store.collect(object(), PROMPTS, tmp_path / "other", progress=False)
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_seed_gives_each_prompt_its_own_draw_whatever_the_chunks(tmp_path, fake):
+    """Each chunk's generate gets one seed per request, from the prompt's index in the whole list."""
+    from nnvllm._validate import request_seed
+
+    model, _ = fake
+    want = [request_seed(5, i) for i in range(len(PROMPTS))]
+    assert len(set(want)) == len(PROMPTS) and want != [request_seed(6, i) for i in range(len(PROMPTS))]
+    for b in (2, 3, 7):
+        model.seeds.clear()
+        store.collect(model, PROMPTS, tmp_path / f"b{b}", seed=5, temperature=1.0, batch_size=b, progress=False)
+        assert [x for chunk in model.seeds for x in chunk] == want, b
+    model.seeds.clear()
+    store.collect(model, PROMPTS, tmp_path / "none", temperature=1.0, batch_size=3, progress=False)
+    assert model.seeds == [None] * 3
+    model.seeds.clear()  # a list: one seed per prompt, used as given
+    store.collect(model, PROMPTS, tmp_path / "list", seed=list(range(7)), temperature=1.0, batch_size=4,
+                  progress=False)
+    assert model.seeds == [[0, 1, 2, 3], [4, 5, 6]]
+    assert store.open(tmp_path / "list").settings["seed"] == list(range(7))
+
+
+def _shard_bytes(path):
+    return bytearray(path.read_bytes())
+
+
+def _flip_a_bit(path, tensor="resid"):
+    """Flip one bit inside ``tensor``'s data of a safetensors file (same size, other numbers)."""
+    data = _shard_bytes(path)
+    n = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8:8 + n])[tensor]["data_offsets"]
+    data[8 + n + (start + end) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_resume_redoes_a_truncated_or_damaged_shard(tmp_path, fake):
+    model, calls = fake
+    store.collect(model, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=3, progress=False)
+    whole = fake_run(PROMPTS, max_tokens=3)
+    truncated = tmp_path / "ds" / "shard-00001.safetensors"
+    truncated.write_bytes(bytes(_shard_bytes(truncated)[:-50]))
+    _flip_a_bit(tmp_path / "ds" / "shard-00002.safetensors")
+    calls.clear()
+    with pytest.warns(UserWarning, match=r"shard-00001.safetensors is \d[\d,]* bytes where the index lists "
+                                         r".*truncated.*shard-00002.safetensors is damaged \(checksum mismatch\); "
+                                         r"its 4 request\(s\) are collected again"):
+        ds = store.collect(model, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=3, progress=False)
+    assert calls == [PROMPTS[3:6], PROMPTS[6:]]  # only the requests of the bad shards
+    assert ds.complete and all(torch.equal(ds[i].resid, whole.resid[i]) for i in range(7))
+    ds.verify()
+    calls.clear()
+    store.collect(model, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=3, progress=False)
+    assert calls == []  # sound shards: nothing to redo
+    (tmp_path / "ds" / ds._index["shards"][0]["file"]).unlink()  # a missing shard is redone too
+    with pytest.warns(UserWarning, match="is missing; its 3 request"):
+        store.collect(model, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=3, progress=False)
+    assert calls == [PROMPTS[:3]]
+
+
+def test_reads_check_each_shard_and_name_the_file(tmp_path, fake):
+    model, _ = fake
+    store.collect(model, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=3, progress=False)
+    want = fake_run(PROMPTS, max_tokens=3).resid
+    shard = tmp_path / "ds" / "shard-00001.safetensors"  # requests 3-5
+    clean = bytes(shard.read_bytes())
+    _flip_a_bit(shard)
+    ds = store.open(tmp_path / "ds")
+    assert torch.equal(ds[0].resid, want[0])  # another shard still reads
+    with pytest.raises(ValueError, match=r"dataset shard '.*shard-00001.safetensors' is damaged \(checksum "
+                                         r"mismatch\); its requests 3-5 cannot be read"):
+        ds[4]
+    with pytest.raises(ValueError, match="shard-00001.safetensors' is damaged"):
+        next(b for b in ds.iter_batches("resid", layer=0, batch_rows=10**6))
+    unchecked = store.open(tmp_path / "ds", check=False)  # the sha256 is skipped: the flipped bit reads
+    assert [torch.equal(unchecked[i].resid, want[i]) for i in (3, 4, 5)] == [True, False, True]
+    shard.write_bytes(clean[:-50])  # a truncated shard: the size is checked even unchecked
+    for d in (store.open(tmp_path / "ds"), store.open(tmp_path / "ds", check=False)):
+        with pytest.raises(ValueError, match=r"shard-00001.safetensors' is [\d,]+ bytes where the index lists"):
+            d[3]
+    # A damaged header, same size: unchecked, safetensors' own error comes back naming the file.
+    header = bytearray(clean)
+    header[8:16] = b"\xff" * 8
+    shard.write_bytes(bytes(header))
+    with pytest.raises(ValueError, match=r"dataset shard '.*shard-00001.safetensors' cannot be read \(Safetensor"):
+        store.open(tmp_path / "ds", check=False)[3]
+    shard.write_bytes(clean)
+    assert torch.equal(store.open(tmp_path / "ds")[4].resid, want[4])
+
+
+@pytest.mark.parametrize("name", ["../outside/x.safetensors", "/etc/passwd", "..", "sub/shard.safetensors", "",
+                                  None, 7])
+def test_an_index_cannot_name_a_file_outside_the_dataset(tmp_path, fake, name):
+    model, calls = fake
+    store.collect(model, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=3, progress=False)
+    (tmp_path / "outside").mkdir()
+    shutil.copy(tmp_path / "ds" / "shard-00000.safetensors", tmp_path / "outside" / "x.safetensors")
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    index["shards"][0]["file"] = name
+    (tmp_path / "ds" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"index.json' is damaged: shards\[0\].file=.* is not a file name inside "
+                                         r"the dataset folder"):
+        store.open(tmp_path / "ds")
+    calls.clear()
+    with pytest.raises(ValueError, match="is not a file name inside the dataset folder"):
+        store.collect(model, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=3, progress=False)
+    assert calls == []
+
+
+def _mangle(index, how):
+    shards = index["shards"]
+    {"no shards": lambda: index.pop("shards"),
+     "shards not a list": lambda: index.update(shards={"a": 1}),
+     "no settings": lambda: index.pop("settings"),
+     "unknown logits policy": lambda: index["settings"].update(logits="most"),
+     "n_requests a string": lambda: index.update(n_requests="7"),
+     "a request out of range": lambda: shards[1]["requests"].append(99),
+     "a request listed twice": lambda: shards[1]["requests"].__setitem__(0, 0),
+     "records shorter than requests": lambda: shards[0]["records"].pop(),
+     "a record without a prompt": lambda: shards[0]["records"][0].pop("prompt"),
+     "an entry not a dict": lambda: shards.__setitem__(0, "shard-00000.safetensors"),
+     "no sha256": lambda: shards[2].pop("sha256"),
+     "bytes negative": lambda: shards[2].update(bytes=-1),
+     "layers not ints": lambda: index.update(layers=["a"]),
+     "widths not ints": lambda: index.update(widths={"resid": "8"}),
+     }[how]()
+
+
+@pytest.mark.parametrize("how", ["no shards", "shards not a list", "no settings", "unknown logits policy",
+                                 "n_requests a string", "a request out of range", "a request listed twice",
+                                 "records shorter than requests", "a record without a prompt", "an entry not a dict",
+                                 "no sha256", "bytes negative", "layers not ints", "widths not ints"])
+def test_a_crafted_index_is_refused_with_what_is_wrong(tmp_path, fake, how):
+    """Not a bare KeyError or IndexError from deep inside: a ValueError naming the index and the entry."""
+    model, _ = fake
+    store.collect(model, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=3, progress=False)
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    _mangle(index, how)
+    (tmp_path / "ds" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"index.json' is damaged: .*Re-create the dataset"):
+        store.open(tmp_path / "ds")
+
+
+def test_a_file_is_not_a_dataset(tmp_path):
+    (tmp_path / "f.txt").write_text("not a dataset")
+    with pytest.raises(ValueError, match=r"'.*f.txt' is a file, not a dataset"):
+        store.open(tmp_path / "f.txt")
+    with pytest.raises(ValueError, match="is a file, not a dataset"):
+        store.Dataset(str(tmp_path / "f.txt"))
+    with pytest.raises(TypeError, match="path=42"):
+        store.Dataset(42)
+
+
 # --- the real engine ----------------------------------------------------------------------------
 
 
@@ -388,6 +586,20 @@ def test_collect_on_the_engine_matches_generate_and_resumes(toy, tmp_path, monke
     check(ds)
     with pytest.raises(ValueError, match="max_tokens: 3 there, 4 here"):
         nv.collect(toy, prompts, tmp_path / "b", batch_size=2, progress=False, **{**kw, "max_tokens": 4})
+
+
+def test_a_seeded_collect_draws_what_one_generate_draws_whatever_the_chunks(toy, tmp_path):
+    """Each prompt draws with the seed of its index in the whole list: chunks of 2, of 3 or one chunk
+    draw the same tokens as one nv.generate over every prompt, and identical prompts draw apart."""
+    import nnvllm as nv
+
+    prompts = ["The capital of"] * 5 + ["Paris is", "The cat"]
+    kw = {"max_tokens": 4, "temperature": 1.5, "seed": 11, "layers": [1]}
+    direct = nv.generate(toy, prompts, **kw)
+    assert len({tuple(t) for t in direct.tokens[:5]}) > 1
+    for b in (2, 3, None):
+        ds = nv.collect(toy, prompts, tmp_path / f"b{b}", batch_size=b, progress=False, **kw)
+        assert [ds[i].tokens for i in range(len(prompts))] == direct.tokens, b
 
 
 def test_fsync_is_asked_for(tmp_path, fake, monkeypatch):
