@@ -181,6 +181,26 @@ def test_roles_cover_every_position_and_survive_save_and_load(engine, tmp_path):
     assert back.prompts == run.prompts and back.roles == run.roles and back.prompt_text == run.prompt_text
 
 
+def test_datasets_keep_conversations_and_their_roles(engine, tmp_path):
+    _, _, model = engine
+    prompts = [MULTI, "The capital of France is", ONE]
+    run = nv.generate(model, prompts, max_tokens=2, layers=[0], ignore_eos=True)
+    ds = nv.collect(model, prompts, tmp_path / "ds", max_tokens=2, layers=[0], ignore_eos=True, batch_size=2,
+                    progress=False)
+    for i in range(len(prompts)):
+        rec = ds[i]
+        assert rec.prompt == prompts[i] and rec.prompt_ids == run.prompt_ids[i]
+        assert rec.roles == run.roles[i] and rec.prompt_text == run.prompt_text[i]
+        assert len(rec.roles) == rec.ids.shape[0] == rec.resid.shape[1]
+    written = {f.name: f.stat().st_mtime_ns for f in (tmp_path / "ds").glob("shard-*")}
+    again = nv.collect(model, prompts, tmp_path / "ds", max_tokens=2, layers=[0], ignore_eos=True, progress=False)
+    assert len(again) == 3  # the same conversations are the same dataset: nothing collected again
+    assert {f.name: f.stat().st_mtime_ns for f in (tmp_path / "ds").glob("shard-*")} == written
+    with pytest.raises(ValueError, match="other settings"):  # another template is another dataset
+        nv.collect(model, prompts, tmp_path / "ds", max_tokens=2, layers=[0], ignore_eos=True, progress=False,
+                   chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
 # ------------------------------------------------------------------ every verb takes a conversation
 
 
