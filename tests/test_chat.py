@@ -265,6 +265,25 @@ def test_patch_takes_conversations_and_sweeps_the_users_words(engine):
     assert users.positions == res.positions
 
 
+def test_an_isolated_engine_runs_conversations(toy_path, tp):
+    """The GPU default: the client renders, the ids cross to the engine's process (JSON for generate,
+    torch's format for a stream) and the roles come back with the run."""
+    if tp > 1:
+        pytest.skip("the transport is the same at TP=2; a third TP=2 engine costs the CPU box ~100 s")
+    model = nv.load(toy_path, isolate=True, **engine_kwargs(tp))
+    try:
+        run = nv.generate(model, [WITH_SYSTEM, "The capital of Italy is"], max_tokens=2, ignore_eos=True)
+        r = chat.render(model.tokenizer, WITH_SYSTEM)
+        assert run.prompt_ids[0] == r.ids and run.roles[0] == r.roles + ["assistant"]
+        assert run.prompt_text == [r.text, "The capital of Italy is"] and run.text[1] == " Rome."
+        stream = nv.stream(model, WITH_SYSTEM, max_tokens=2, ignore_eos=True)
+        for _ in stream:
+            pass
+        assert stream.run.prompt_ids[0] == r.ids and stream.run.roles[0] == run.roles[0]
+    finally:
+        model.close()
+
+
 # ------------------------------------------------------------------ input checks, on the client
 
 
