@@ -44,7 +44,7 @@ ROLES = ("system", "user", "assistant", TEMPLATE)
 
 # Keywords vLLM's LLM.chat sets itself (a value in chat_template_kwargs would be overridden there).
 _FIXED = ("add_generation_prompt", "continue_final_message", "tokenize", "chat_template", "conversation",
-          "messages", "tools", "return_dict")
+          "messages", "return_dict")
 # Markers standing in for the messages' text when the template's own pieces are located: private-use
 # characters that neither a template nor a tokenizer treats specially.
 _MARK = "\ue000{}\ue001"
@@ -90,27 +90,25 @@ def _options(chat_template: Any, chat_template_kwargs: Any) -> tuple[str | None,
     return chat_template, dict(chat_template_kwargs)
 
 
-def _template(tokenizer, chat_template: str | None) -> str:
-    """The Jinja source to render with: the given one (a template, a named one, a file) or the checkpoint's."""
-    if chat_template is not None:
-        if "{" not in chat_template and os.path.isfile(chat_template):
-            with open(chat_template, encoding="utf-8") as f:
-                return f.read()
-        own = getattr(tokenizer, "chat_template", None)
-        if isinstance(own, Mapping) and chat_template in own:  # a named template ("tool_use")
-            return own[chat_template]
-        return chat_template
+def _template(tokenizer, chat_template: str | None, tools=None) -> str:
+    """The Jinja source to render with, chosen as vLLM chooses it (``tokenizer.get_chat_template``):
+    the given one (a template, or the name of one of the tokenizer's), else the checkpoint's (its
+    ``tool_use`` one when there are ``tools``). A template file's path is read."""
+    if chat_template is not None and "{" not in chat_template and os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            return f.read()
     own = getattr(tokenizer, "chat_template", None)
-    if isinstance(own, Mapping):
-        own = own.get("default")
-    if not own:
+    if chat_template is None and not own:
         name = getattr(tokenizer, "name_or_path", "") or "this model"
         raise ValueError(
             f"{name!s} has no chat template, so a conversation cannot be rendered. Pass one: "
             "chat_template=\"{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}\" (a Jinja template, as vLLM's "
             "LLM.chat takes), or give a plain str prompt")
-    return own
+    try:
+        return tokenizer.get_chat_template(chat_template, tools=tools)
+    except (ValueError, KeyError, TypeError, AttributeError):  # a tokenizer without the method, or no such name
+        return chat_template if chat_template is not None else own if isinstance(own, str) else own["default"]
 
 
 def _content_is_parts(template: str) -> bool:
@@ -174,8 +172,8 @@ def _texts(content: Any) -> list[str]:
 def _conversation(messages: list[dict], parts: bool, template: str, texts=None) -> list[dict]:
     """The messages as vLLM hands them to the template (``parse_chat_messages``): text content as one
     string (parts joined by newlines) or as ``[{"type": "text", "text": ...}]`` parts, the fields it
-    keeps, and ``developer`` turned into ``system`` where the template has no such role.
-    ``texts``: replacement text per part (the markers)."""
+    keeps (tool calls with their arguments as dicts), and ``developer`` turned into ``system`` where
+    the template has no such role. ``texts``: replacement text per part (the markers)."""
     out, k = [], 0
     for m in messages:
         pieces = _texts(m.get("content"))
@@ -185,9 +183,10 @@ def _conversation(messages: list[dict], parts: bool, template: str, texts=None) 
         msg: dict[str, Any] = {"role": m["role"],
                                "content": [{"type": "text", "text": t} for t in pieces] if parts else "\n".join(pieces)}
         if m["role"] == "assistant":
-            for key in ("tool_calls", "reasoning"):
-                if m.get(key) is not None:
-                    msg[key] = m[key]
+            if isinstance(m.get("tool_calls"), list) and m["tool_calls"]:
+                msg["tool_calls"] = [_tool_call(c) for c in m["tool_calls"]]
+            if m.get("reasoning") is not None:
+                msg["reasoning"] = m["reasoning"]
             if m.get("reasoning") is not None:
                 msg["reasoning_content"] = m["reasoning"]
         if m["role"] == "tool" and "tool_call_id" in m:
@@ -205,9 +204,27 @@ def _conversation(messages: list[dict], parts: bool, template: str, texts=None) 
     return out
 
 
+def _tool_call(call: Any) -> Any:
+    """A tool call as templates take it: the function's ``arguments`` as a dict (vLLM parses a JSON
+    string, and takes anything else for an empty one)."""
+    import json
+
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    args = call["function"].get("arguments")
+    if isinstance(args, str) and args:
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            args = {}
+    return {**call, "function": {**call["function"], "arguments": args if isinstance(args, dict) else {}}}
+
+
 def _apply(tokenizer, conversation: list[dict], template: str, kwargs: dict) -> str:
+    kwargs = dict(kwargs)
+    tools = kwargs.pop("tools", None)
     try:
-        text = tokenizer.apply_chat_template(conversation, tools=None, chat_template=template, tokenize=False,
+        text = tokenizer.apply_chat_template(conversation, tools=tools, chat_template=template, tokenize=False,
                                              add_generation_prompt=True, continue_final_message=False, **kwargs)
     except Exception as e:  # noqa: BLE001  the template refused it (roles out of order, a missing keyword)
         raise ValueError(f"the chat template refused the conversation: {e}") from None
@@ -226,7 +243,8 @@ def render(tokenizer, messages, *, chat_template: str | None = None,
             text parts (``{"type": "text", "text": ...}``).
         chat_template: None (the checkpoint's), a Jinja template string, a named template of the
             tokenizer, or a template file's path.
-        chat_template_kwargs: the template's keywords, e.g. ``{"enable_thinking": False}``.
+        chat_template_kwargs: the template's keywords, e.g. ``{"enable_thinking": False}`` (and
+            ``tools``, as vLLM's ``LLM.chat`` takes them there).
 
     Returns:
         A :class:`Rendered`: the text, its token ids (no special tokens added beyond the
@@ -238,7 +256,7 @@ def render(tokenizer, messages, *, chat_template: str | None = None,
     """
     messages = _validate.conversation(messages)
     chat_template, kwargs = _options(chat_template, chat_template_kwargs)
-    template = _template(tokenizer, chat_template)
+    template = _template(tokenizer, chat_template, kwargs.get("tools"))
     parts = _content_is_parts(template)
     text = _apply(tokenizer, _conversation(messages, parts, template), template, kwargs)
     ids, offsets = _tokenize(tokenizer, text)

@@ -129,6 +129,27 @@ def test_no_template_is_an_error_that_names_the_fix(engine):
     assert nv.generate(model, "The capital of France is", max_tokens=1, layers=None).text  # plain text needs none
 
 
+def test_tool_calls_and_tools_render_as_vllm_renders_them(engine):
+    kind, _, model = engine
+    if kind != "toy":
+        pytest.skip("one engine shows it; the rendering is the client's, the same for every model")
+    template = ("{% for t in tools or [] %}{{ t.function.name }};{% endfor %}{% for m in messages %}{{ m['content'] }}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.name }}({{ c.function.arguments | tojson }}){% endfor %}"
+                "\n{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "capital", "parameters": {"type": "object"}}}]
+    conv = [{"role": "user", "content": "The capital of France is"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "capital", "arguments": '{"country": "France"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": " Paris"}]
+    run = nv.generate(model, [conv], max_tokens=1, layers=None, chat_template=template,
+                      chat_template_kwargs={"tools": tools})
+    out = _vllm_chat(model, [conv], 1, chat_template=template, tools=tools)[0]
+    assert run.prompt_ids[0] == list(out.prompt_token_ids)
+    assert run.prompt_text[0].startswith("capital;The capital of France is") and ' Paris' in run.prompt_text[0]
+    assert 'capital({"country": "France"})' in run.prompt_text[0]  # the arguments as a dict, as vLLM parses them
+    assert "tool" in run.roles[0]  # the tool's answer is labelled by its role
+
+
 # ------------------------------------------------------------------ roles: every position, the right spans
 
 
