@@ -111,6 +111,8 @@ class SAE:
         k: the TopK architecture's number of active features (None otherwise).
         apply_b_dec_to_input: subtract ``b_dec`` from the input before encoding.
         normalize_activations: sae-lens's input normalisation.
+        reshape_activations: ``"hook_z"``: an SAE on the heads' outputs, which also takes them as
+            ``[..., n_heads, d_head]`` (flattened first, as sae-lens does); nnvllm's ``z`` site is flat.
         rescale_acts_by_decoder_norm: TopK's selection on ``h * |W_dec[f]|`` (decode divides back).
         finetuning_scaling_factor: ``[d_sae]`` multiplying the acts before the decode (pre-6 files).
         hook_name: the hook the file names (None if it names none).
@@ -132,6 +134,7 @@ class SAE:
     k: int | None = None
     apply_b_dec_to_input: bool = True
     normalize_activations: str = "none"
+    reshape_activations: str = "none"
     rescale_acts_by_decoder_norm: bool = False
     finetuning_scaling_factor: Tensor | None = None
     hook_name: str | None = None
@@ -254,6 +257,7 @@ class SAE:
         return cls(site=site, layer=layer, architecture=arch, k=k,
                    apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", True)),
                    normalize_activations=norm,
+                   reshape_activations=cfg.get("reshape_activations") or "none",
                    rescale_acts_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm", False)),
                    finetuning_scaling_factor=None if scaling is None else scaling.to(device=device, dtype=dtype),
                    hook_name=hook_name, cfg=cfg, path=path, **tensors)
@@ -302,8 +306,16 @@ class SAE:
                 f"{self.site} (or pass the site it was trained on)")
 
     # ------------------------------------------------------------------ the math
+    def _flat(self, x: Tensor) -> Tensor:
+        """``x`` as ``[..., d_in]``: a ``hook_z`` SAE also takes ``[..., n_heads, d_head]``."""
+        if (x.shape[-1] != self.d_in and self.reshape_activations == "hook_z" and x.ndim >= 2
+                and x.shape[-2] * x.shape[-1] == self.d_in):
+            return x.flatten(-2)
+        return x
+
     def _input(self, x: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
         """(the encoder's input ``x'``, what undoes the normalisation on decode: (scale, shift))."""
+        x = self._flat(x)
         if x.shape[-1] != self.d_in:
             raise ValueError(f"the SAE takes [..., {self.d_in}] activations, got shape {tuple(x.shape)}")
         x = x.to(self.dtype)
@@ -371,16 +383,16 @@ class SAE:
         return out
 
     def reconstruct(self, x: Tensor) -> Tensor:
-        """``decode(encode(x))``: what the SAE keeps of ``x``."""
+        """``decode(encode(x))``: what the SAE keeps of ``x`` (in ``x``'s shape)."""
         sae_in, undo = self._input(x)
-        return self._decode(self._acts(sae_in), undo)
+        return self._decode(self._acts(sae_in), undo).reshape(x.shape)
 
     def encode_with_error(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(encode(x), error_norm(x))`` with one encode: the feature activations ``[..., d_sae]`` and
         the L2 norm ``[...]`` of what the reconstruction misses."""
         sae_in, undo = self._input(x)
         acts = self._acts(sae_in)
-        return acts, (x.to(self.dtype) - self._decode(acts, undo)).norm(dim=-1)
+        return acts, (self._flat(x).to(self.dtype) - self._decode(acts, undo)).norm(dim=-1)
 
     def error(self, x: Tensor) -> Tensor:
         """``x - reconstruct(x)``, in the SAE's dtype: what the SAE misses (sae-lens's ``hook_sae_error``)."""
@@ -388,7 +400,7 @@ class SAE:
 
     def error_norm(self, x: Tensor) -> Tensor:
         """``[...]`` the L2 norm of :meth:`error` per position: the reconstruction error researchers check first."""
-        return self.error(x).norm(dim=-1)
+        return self._flat(self.error(x)).norm(dim=-1)
 
     def top_features(self, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """The ``k`` most active features per position: ``(ids [..., k] int64, values [..., k])``,
@@ -416,7 +428,8 @@ class SAE:
         cfg.update(d_in=self.d_in, d_sae=self.d_sae, architecture=self.architecture,
                    dtype=str(self.dtype).removeprefix("torch."), device="cpu",
                    apply_b_dec_to_input=self.apply_b_dec_to_input,
-                   normalize_activations=self.normalize_activations, metadata=meta)
+                   normalize_activations=self.normalize_activations,
+                   reshape_activations=self.reshape_activations, metadata=meta)
         for key in ("hook_name", "hook_point", "hook_head_index", "activation_fn", "activation_fn_str",
                     "activation_fn_kwargs", "sae_lens_version"):
             cfg.pop(key, None)  # pre-6 spellings: their values live in the fields above now
@@ -546,6 +559,7 @@ def _sae_lens_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg.setdefault("apply_b_dec_to_input", True)
         cfg.setdefault("finetuning_scaling_factor", False)
         cfg.setdefault("architecture", "standard")
+        cfg.setdefault("reshape_activations", "hook_z" if "hook_z" in str(cfg.get("hook_name", "")) else "none")
         if cfg.get("activation_fn") == "topk" and (cfg.get("activation_fn_kwargs") or {}).get("k") is not None:
             cfg["architecture"] = "topk"
             cfg["k"] = cfg["activation_fn_kwargs"]["k"]

@@ -233,6 +233,23 @@ def test_stacked_saes_encode_as_each_does(tmp_path, arch, cfg):
         stack([saes[0], saes[1].to(dtype=torch.float64)])
 
 
+def test_hook_z_sae_takes_heads_as_sae_lens_does(tmp_path):
+    """An SAE on the heads' outputs (hook_z) takes [..., n_heads, d_head] as sae-lens does, and the flat
+    [..., n_heads * d_head] of nnvllm's z site to the same code."""
+    ref = _sae_lens_sae("standard", hook_name="blocks.1.attn.hook_z", reshape_activations="hook_z")
+    ref.save_model(tmp_path)
+    sae = nv.SAE.load(tmp_path)
+    assert (sae.site, sae.layer, sae.reshape_activations) == ("z", 1, "hook_z")
+    heads = _inputs().view(-1, 2, D_IN // 2)
+    with torch.no_grad():
+        want = ref.encode(heads)
+        torch.testing.assert_close(sae.encode(heads), want, rtol=0, atol=0)
+        torch.testing.assert_close(sae.encode(heads.flatten(-2)), want, rtol=0, atol=0)
+        recon = ref.decode(want)  # [pos, n_heads, d_head], as sae-lens reshapes it back
+        torch.testing.assert_close(sae.reconstruct(heads), recon, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(sae.error_norm(heads), (heads - recon).flatten(-2).norm(dim=-1), rtol=1e-5, atol=1e-5)
+
+
 def test_encode_with_error_is_encode_and_error_norm(tmp_path):
     _sae_lens_sae("jumprelu", normalize_activations="layer_norm").save_model(tmp_path)
     sae = nv.SAE.load(tmp_path)
@@ -250,8 +267,9 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def saes(tmp_path_factory):
-    """sae-lens SAEs on the toy model, saved and loaded back: three on the residual stream after block
-    2, one on block 1's MLP activation (a column-parallel site: gathered across ranks under TP)."""
+    """sae-lens SAEs on the toy model, saved and loaded back: on the residual stream (after blocks 1
+    and 2), on block 1's MLP activation (a column-parallel site: gathered across ranks under TP) and on
+    block 2's heads' outputs (z: heads split across ranks)."""
     root = tmp_path_factory.mktemp("saes")
     out = {}
     for arch, cfg in (("standard", {}), ("jumprelu", {}), ("topk", {"k": 12})):
@@ -265,6 +283,10 @@ def saes(tmp_path_factory):
     ref = _sae_lens_sae("jumprelu", hook_name="blocks.1.mlp.hook_post", seed=8, d_in=4 * D_IN)
     ref.save_model(root / "mlp_act")
     out["mlp_act"] = (ref, nv.SAE.load(root / "mlp_act"))
+    # the heads' outputs (sae-lens's hook_z: [n_heads, d_head] per position; nnvllm's z site: flat)
+    ref = _sae_lens_sae("topk", hook_name="blocks.2.attn.hook_z", seed=10, k=10, reshape_activations="hook_z")
+    ref.save_model(root / "z")
+    out["z"] = (ref, nv.SAE.load(root / "z"))
     return out
 
 
@@ -290,7 +312,7 @@ def test_features_in_the_engine_equal_sae_lens_on_transformers(toy, toy_path, sa
                       saes=[saes[n][1] for n in names], sae_dense=True)
     assert run.resid is None and not run.sites and len(run.features) == len(names) == len(run.sae_errors)
     assert saes["mlp_act"][1].site == "mlp_act"
-    hf = fidelity.reference(toy_path, PROMPTS, max_tokens=STEPS, layers=[1, LAYER], sites=("mlp_act",),
+    hf = fidelity.reference(toy_path, PROMPTS, max_tokens=STEPS, layers=[1, LAYER], sites=("mlp_act", "z"),
                             ignore_eos=True)
     assert run.tokens == hf.value.tokens
     near = 0
@@ -307,7 +329,7 @@ def test_features_in_the_engine_equal_sae_lens_on_transformers(toy, toy_path, sa
 
         def error(r, i, ref=ref):
             with torch.no_grad():
-                return (site_in(r, i) - ref.decode(ref.encode(site_in(r, i)))).norm(dim=-1)
+                return (site_in(r, i) - ref.decode(ref.encode(site_in(r, i)))).flatten(1).norm(dim=-1)
 
         for i in range(len(PROMPTS)):
             x, got = site_in(hf.value, i), run.features[s][i]
