@@ -66,6 +66,13 @@ def _drop_bad_shards(out: Path, index: dict, fsync: bool) -> None:
                   UserWarning, stacklevel=3)
 
 
+def _index_facts(run) -> dict:
+    """What the index records of the first chunk's run: layers, widths, dtype, the run's meta."""
+    acts = ({"resid": run.resid} if run.resid is not None else {}) | run.sites
+    return {"layers": run.layers, "meta": run.meta, "widths": {s: int(p[0].shape[-1]) for s, p in acts.items()},
+            "dtype": str(next(iter(acts.values()))[0].dtype).removeprefix("torch.") if acts else None}
+
+
 def _layers_setting(layers) -> Any:
     if layers is None or isinstance(layers, str):
         return layers
@@ -134,8 +141,14 @@ def collect(
     Every argument is checked before anything is written to ``out``; a ``memory_budget`` that holds
     less than one request at a time is refused (pass a larger one, or ``batch_size``).
 
+    Several engines: ``model`` may be a list of engines of one checkpoint and dtype (isolated
+    engines, or :class:`nnvllm.distributed.RayEngine` s on a Ray cluster). The prompts are then
+    shared out among them, chunk by chunk to whichever is free, into ONE dataset of the same format;
+    an engine lost mid-collect is dropped with a warning and its chunks are redone by the others
+    (:mod:`nnvllm.distributed`). The seed rule above makes the result the same as one engine's.
+
     Args:
-        model: from :func:`nnvllm.load`.
+        model: from :func:`nnvllm.load`, or a list of engines (see above).
         prompts: the prompts, one request each (dataset index = position in this list): a str or a
             conversation (a list of ``{"role", "content"}`` messages; each record keeps its ``roles``).
         out: the dataset directory (created; must be empty or hold this same dataset).
@@ -165,6 +178,15 @@ def collect(
 
     from .capture import _context_len, _prompt_lens, generate
 
+    # Several engines (a list): checked alike here, then fanned out (nnvllm.distributed); the
+    # arguments are checked against the first.
+    engines = None
+    if isinstance(model, (list, tuple)):
+        from .distributed import check_engines
+
+        engines = list(model)
+        check_engines(engines)
+        model = engines[0]
     # Every argument is checked before anything is written to ``out``: a bad value that reached the
     # index would be recorded as the dataset's setting, and the corrected call refused as "other settings".
     if getattr(model, "arch", None) is None or not hasattr(model, "n_layers"):
@@ -257,10 +279,28 @@ def collect(
     done = {r for s in index["shards"] for r in s["requests"]}
     todo = [i for i in range(len(prompts)) if i not in done]
 
-    def chunk_size(left: int) -> int:
+    def chunk_size(left: int, in_flight: int = IN_FLIGHT) -> int:
         if batch_size is not None:
             return batch_size
-        return _next_chunk(left, budget // (IN_FLIGHT * request_bytes()), wave)
+        return _next_chunk(left, budget // (in_flight * request_bytes()), wave)
+
+    def kwargs_for(ids: list[int]) -> dict:
+        """A chunk's generate arguments: each request draws with the seed of its place in the whole
+        list, whatever the chunking (and whichever engine runs it)."""
+        seeds = None if seed is None else [seed[i] if isinstance(seed, list) else _validate.request_seed(seed, i)
+                                           for i in ids]
+        return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seeds, layers=layers,
+                    logits=want_logits, top_k=top_k, sites=sites, ignore_eos=ignore_eos,
+                    **(chat if any(rendered[i] is not None for i in ids) else {}))
+
+    next_shard = 1 + max((int(m.group(1)) for e in index["shards"]
+                          if (m := re.fullmatch(r"shard-(\d+)\.safetensors", e["file"]))), default=-1)
+    if engines is not None:
+        from .distributed import fan_out
+
+        fan_out(engines, prompts, index=index, todo=todo, out=out, chunk_size=chunk_size, kwargs_for=kwargs_for,
+                next_shard=next_shard, policy=policy, fsync=fsync, progress=progress)
+        return Dataset(out)
 
     # The engine generates chunk k + 1 while chunk k is written: shards are written in background
     # threads (at most WRITERS at once; the writer releases the GIL), and the index lists a shard
@@ -274,8 +314,6 @@ def collect(
     indexer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nnvllm-index")
     index_writes: list[concurrent.futures.Future] = []
     pending: list[tuple[concurrent.futures.Future, int]] = []
-    next_shard = 1 + max((int(m.group(1)) for e in index["shards"]
-                          if (m := re.fullmatch(r"shard-(\d+)\.safetensors", e["file"]))), default=-1)
     bar = tqdm(total=len(prompts), initial=len(done), disable=not progress, unit="req", desc="collect")
 
     def finish_oldest() -> None:
@@ -288,18 +326,9 @@ def collect(
         start = 0
         while start < len(todo):
             ids = todo[start:start + chunk_size(len(todo) - start)]
-            # Each request draws with the seed of its place in the whole list, whatever the chunking.
-            seeds = None if seed is None else [seed[i] if isinstance(seed, list) else _validate.request_seed(seed, i)
-                                               for i in ids]
-            run = generate(model, [prompts[i] for i in ids], max_tokens=max_tokens, temperature=temperature,
-                           top_p=top_p, seed=seeds, layers=layers, logits=want_logits, top_k=top_k, sites=sites,
-                           ignore_eos=ignore_eos,
-                           **(chat if any(rendered[i] is not None for i in ids) else {}))
+            run = generate(model, [prompts[i] for i in ids], **kwargs_for(ids))
             if index["layers"] is None:
-                acts = ({"resid": run.resid} if run.resid is not None else {}) | run.sites
-                index.update(layers=run.layers, meta=run.meta,
-                             widths={s: int(p[0].shape[-1]) for s, p in acts.items()},
-                             dtype=str(next(iter(acts.values()))[0].dtype).removeprefix("torch.") if acts else None)
+                index.update(_index_facts(run))
             pos_bytes = _pos_bytes(run) or pos_bytes
             prompt_tokens = max(prompt_tokens, *(len(p) for p in run.prompt_ids))
             while len(pending) >= WRITERS:
@@ -463,13 +492,15 @@ class Dataset:
         with self._open(k) as f:
             off = f.get_slice("offsets")[local:local + 2].tolist()
             a, b = off[0], off[1]
-            acts = {s: f.get_slice("resid" if s == "resid" else f"sites/{s}")[:, a:b] for s in self.sites}
+            # Copies: safetensors' slices view the memory-mapped file, and a view of a file that is
+            # later truncated in place kills the process (SIGBUS) when it is touched.
+            acts = {s: f.get_slice("resid" if s == "resid" else f"sites/{s}")[:, a:b].clone() for s in self.sites}
             extra = {}
             if policy != "none":
                 sa, sb = f.get_slice("step_offsets")[local:local + 2].tolist()
                 names = {"chosen": ["logprobs"], "top_k": ["top_ids", "top_probs"], "full": ["logits"]}[policy]
-                extra = {name: f.get_slice(name)[sa:sb] for name in names}
-            ids = f.get_slice("ids")[a:b]
+                extra = {name: f.get_slice(name)[sa:sb].clone() for name in names}
+            ids = f.get_slice("ids")[a:b].clone()
         return Record(index=j, prompt=rec["prompt"], prompt_ids=rec["prompt_ids"], tokens=rec["tokens"],
                       text=rec["text"], ids=ids, resid=acts.pop("resid", None), sites=acts, **extra,
                       roles=rec.get("roles"), prompt_text=rec.get("prompt_text"))
@@ -507,7 +538,7 @@ class Dataset:
                     have += b - a
                     a = b
                     if have == batch_rows:
-                        yield pending[0] if len(pending) == 1 else torch.cat(pending)
+                        yield pending[0].clone() if len(pending) == 1 else torch.cat(pending)  # (copies: see above)
                         pending, have = [], 0
         if have:
             yield torch.cat(pending)

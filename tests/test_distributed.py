@@ -1,0 +1,328 @@
+"""One dataset collected by several engines (nnvllm.distributed): isolated engines and Ray actors.
+
+The bookkeeping (who gets which chunk, what a lost engine's chunks become, what the index lists) is
+checked first on stand-in engines whose generate is made up per prompt (test_store's ``fake_run``:
+the same prompt gives the same numbers on any engine), cheaply and exhaustively. Then on real
+engines of the toy model: two isolated engines, and two Ray actors each holding an engine; each
+time the fanned-out dataset equals a one-engine collect of the same prompts (tokens bit for bit,
+activations within fp32 rounding of a different batch), and killing one engine mid-collect leaves a
+dataset equal to an uninterrupted one, every request once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+import types
+
+import pytest
+import torch
+from test_store import D_MODEL, D_VOCAB, N_LAYERS, fake_run
+
+import nnvllm.capture
+from nnvllm import store
+from nnvllm.arch import arch_for
+from nnvllm.engine.isolated import EngineDied
+
+PROMPTS = [f"prompt number {i}" + "x" * (i % 3) for i in range(11)]
+
+
+@pytest.fixture
+def engines(monkeypatch):
+    """Three stand-in engines; nnvllm.capture.generate made up per prompt. ``die_on`` (a set of call
+    numbers, per engine) makes that call raise EngineDied, ``fail_on`` a ValueError."""
+    lock = threading.Lock()
+
+    def generate(model, prompts, **kw):
+        with lock:
+            model.calls.append(list(prompts))
+            n = len(model.calls)
+        time.sleep(model.delay)
+        if n in model.die_on:
+            raise EngineDied(f"the engine {model.name} was killed")
+        if n in model.fail_on:
+            raise ValueError("a request the engine refused")
+        return fake_run(prompts, **kw)
+
+    monkeypatch.setattr(nnvllm.capture, "generate", generate)
+
+    def make(name):
+        return types.SimpleNamespace(checkpoint="fake", n_layers=N_LAYERS, tokenizer=None, name=name, calls=[],
+                                     die_on=set(), fail_on=set(), delay=0.0, pid=None,
+                                     arch=arch_for(["GPT2LMHeadModel"]),
+                                     config=types.SimpleNamespace(hidden_size=D_MODEL, vocab_size=D_VOCAB))
+
+    return [make(n) for n in "abc"]
+
+
+def _index(path) -> dict:
+    return json.loads((path / "index.json").read_text())
+
+
+def _same(ds, want) -> None:
+    """Every request once, with what one generate over all the prompts gives."""
+    assert ds.complete and len(ds) == len(want.prompts)
+    listed = [r for e in ds._index["shards"] for r in e["requests"]]
+    assert sorted(listed) == list(range(len(want.prompts)))  # nothing lost, nothing twice
+    for i in range(len(want.prompts)):
+        r = ds[i]
+        assert r.prompt == want.prompts[i] and r.tokens == want.tokens[i]
+        assert torch.equal(r.resid, want.resid[i])
+
+
+def test_fanned_out_equals_one_engine(tmp_path, engines):
+    kw = {"max_tokens": 3, "batch_size": 2, "progress": False}
+    one = store.collect(engines[0], PROMPTS, tmp_path / "one", **kw)
+    for e in engines:
+        e.calls.clear()
+    many = store.collect(engines, PROMPTS, tmp_path / "many", **kw)
+    whole = fake_run(PROMPTS, max_tokens=3)
+    _same(one, whole)
+    _same(many, whole)
+    # Each engine made some of the shards, each request in exactly one generate call.
+    assert all(e.calls for e in engines)
+    assert sorted(p for e in engines for c in e.calls for p in c) == sorted(PROMPTS)
+    index = _index(tmp_path / "many")
+    assert index["settings"] == _index(tmp_path / "one")["settings"] and index["widths"] == {"resid": D_MODEL}
+    assert len({e["engine"] for e in index["shards"]}) == 3
+    assert [min(e["requests"]) for e in index["shards"]] == sorted(min(e["requests"]) for e in index["shards"])
+    batches = list(many.iter_batches("resid", layer=1, batch_rows=1000))
+    assert torch.equal(torch.cat(batches), torch.cat([r[1] for r in whole.resid]))  # dataset order
+    assert sorted(p.name for p in (tmp_path / "many").iterdir()) == sorted(
+        ["index.json", *(e["file"] for e in index["shards"])])
+
+
+def test_a_seed_draws_by_global_index_whichever_engine(tmp_path, engines, monkeypatch):
+    """Each chunk asks for request_seed(seed, i) with i the prompt's index in the whole list."""
+    from nnvllm._validate import request_seed
+
+    asked = {}
+    real = nnvllm.capture.generate
+
+    def recording(model, prompts, **kw):
+        asked.update(zip(prompts, kw["seed"]))
+        return real(model, prompts, **kw)
+
+    monkeypatch.setattr(nnvllm.capture, "generate", recording)
+    store.collect(engines, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=3, temperature=1.0, seed=7,
+                  progress=False)
+    assert asked == {p: request_seed(7, i) for i, p in enumerate(PROMPTS)}
+
+
+def test_a_lost_engine_loses_and_duplicates_nothing(tmp_path, engines):
+    engines[1].die_on = {2}  # its second chunk: it has one in flight beside it, which is lost too
+    engines[1].delay = 0.05
+    with pytest.warns(RuntimeWarning, match=r"#1 was lost mid-collect \(EngineDied: the engine b was killed\)"):
+        ds = store.collect(engines, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=1, progress=False)
+    _same(ds, fake_run(PROMPTS, max_tokens=3))
+    by = {}
+    for e in _index(tmp_path / "ds")["shards"]:
+        by.setdefault(e["engine"], []).extend(e["requests"])
+    assert len(by) == 3 and len(by[next(k for k in by if k.endswith("#1"))]) >= 1  # b finished one first
+    assert all(len(c) == 1 for e in engines for c in e.calls)
+
+
+def test_every_engine_lost_keeps_the_shards_and_resumes(tmp_path, engines):
+    for e in engines:
+        e.die_on = {3, 4, 5, 6}
+    with pytest.raises(RuntimeError, match="every engine was lost mid-collect") as err, pytest.warns(RuntimeWarning):
+        store.collect(engines, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=1, progress=False)
+    assert "call nv.collect again" in str(err.value)
+    part = store.open(tmp_path / "ds")
+    assert 0 < len(part) < len(PROMPTS)
+    assert not [p for p in (tmp_path / "ds").iterdir() if p.suffix == ".tmp"]
+    done = {i for e in part._index["shards"] for i in e["requests"]}
+    engines[0].die_on, engines[0].calls = set(), []
+    ds = store.collect(engines[:1], PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=1, progress=False)
+    assert sorted(p for c in engines[0].calls for p in c) == sorted(p for i, p in enumerate(PROMPTS) if i not in done)
+    _same(ds, fake_run(PROMPTS, max_tokens=3))
+
+
+def test_an_error_that_is_not_a_lost_engine_is_raised(tmp_path, engines):
+    """A request an engine refuses would be refused by any: raised, not handed on; what finished stays."""
+    engines[2].fail_on = {1}
+    with pytest.raises(ValueError, match="a request the engine refused"):
+        store.collect(engines, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=1, progress=False)
+    part = store.open(tmp_path / "ds")
+    assert len(part) < len(PROMPTS) and all(len(c) == 1 for e in engines for c in e.calls)
+    assert len({p for e in engines for c in e.calls for p in c}) == sum(len(e.calls) for e in engines)
+
+
+def test_engines_are_checked_before_anything_runs(tmp_path, engines):
+    other = types.SimpleNamespace(**{**vars(engines[1]), "checkpoint": "another"})
+    with pytest.raises(ValueError, match="the engines differ: .* runs 'fake' .* runs 'another'"):
+        store.collect([engines[0], other], PROMPTS, tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match="listed twice"):
+        store.collect([engines[0], engines[0]], PROMPTS, tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match=r"model=\[\]"):
+        store.collect([], PROMPTS, tmp_path / "a", progress=False)
+    with pytest.raises(TypeError, match=r"model\[1\]="):
+        store.collect([engines[0], "gpt2"], PROMPTS, tmp_path / "a", progress=False)
+    assert not (tmp_path / "a").exists() and not any(e.calls for e in engines)
+
+
+def test_lost_reason_reads_wrapped_errors():
+    from nnvllm.distributed import lost_reason
+
+    class RayTaskError(Exception):  # Ray's wrapper of an actor's own error: the original is .cause
+        def __init__(self, cause):
+            super().__init__("task failed")
+            self.cause = cause
+
+    class ActorDiedError(Exception):
+        pass
+
+    assert lost_reason(ActorDiedError("the actor died")) == "ActorDiedError: the actor died"
+    assert lost_reason(RayTaskError(EngineDied("gone\nmore"))) == "EngineDied: gone"
+    try:
+        try:
+            raise EngineDied("core stopped")
+        except EngineDied as e:
+            raise RuntimeError("generate failed") from e
+    except RuntimeError as e:
+        assert lost_reason(e) == "EngineDied: core stopped"
+    assert lost_reason(ValueError("bad prompt")) is None
+
+
+# --- real engines ----------------------------------------------------------------------------------
+
+TOY_PROMPTS = ["The capital of France is", "Paris is the capital of", "The cat sat on the", "Once upon a time",
+               "The capital of Italy is", "A dog ran", "Rome is a city in", "Hello there friend"]
+KW = {"max_tokens": 4, "layers": [0, 2], "sites": ("mlp",), "temperature": 1.0, "seed": 5, "ignore_eos": True,
+      "progress": False}
+
+
+def _same_as(ds, ref) -> None:
+    """``ds`` holds what ``ref`` holds, request by request: tokens bit for bit, activations within fp32
+    rounding (a request batched with others runs other GEMM shapes)."""
+    assert ds.complete and len(ds) == len(ref)
+    listed = [r for e in ds._index["shards"] for r in e["requests"]]
+    assert sorted(listed) == list(range(len(ref)))
+    for i in range(len(ref)):
+        a, b = ds[i], ref[i]
+        assert a.tokens == b.tokens and a.prompt_ids == b.prompt_ids, i
+        assert torch.allclose(a.resid, b.resid, atol=1e-5, rtol=0), i
+        assert torch.allclose(a.sites["mlp"], b.sites["mlp"], atol=1e-5, rtol=0), i
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0), i
+
+
+def _kill_once_listed(path, who: str, kill) -> threading.Thread:
+    """Call ``kill()`` as soon as the index lists a shard written by the engine named ``who``."""
+    def watch():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                shards = json.loads((path / "index.json").read_text())["shards"]
+            except (OSError, ValueError):
+                shards = []
+            if any(e.get("engine") == who for e in shards):
+                kill()
+                return
+            time.sleep(0.01)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.slow
+def test_isolated_engines_fan_out_and_survive_a_kill(tmp_path):
+    """Two isolated engines: the fanned-out dataset equals one engine's, and after one engine is
+    killed (its process group, SIGKILL) mid-collect, the dataset still equals it."""
+    import nnvllm as nv
+    from nnvllm.distributed import _label
+
+    a = nv.load(isolate=True)
+    b = nv.load(isolate=True)
+    try:
+        ref = nv.collect(a, TOY_PROMPTS, tmp_path / "one", batch_size=3, **KW)
+        _same_as(nv.collect([a, b], TOY_PROMPTS, tmp_path / "two", batch_size=1, **KW), ref)
+        assert len({e["engine"] for e in _index(tmp_path / "two")["shards"]}) == 2
+        watcher = _kill_once_listed(tmp_path / "killed", _label(b), lambda: os.killpg(b.pid, signal.SIGKILL))
+        with pytest.warns(RuntimeWarning, match=r"isolated engine pid \d+ .* was lost mid-collect \(EngineDied"):
+            ds = nv.collect([a, b], TOY_PROMPTS * 2, tmp_path / "killed", batch_size=1, **KW)
+        watcher.join(timeout=5)
+        ref2 = nv.collect(a, TOY_PROMPTS * 2, tmp_path / "one2", batch_size=8, **KW)
+        _same_as(ds, ref2)
+        assert b._dead is not None
+    finally:
+        a.close()
+        b.close()
+
+
+# --- Ray actors ------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A Ray cluster of this machine alone, on loopback, 2 CPUs; ended after the module.
+
+    Ray's raylet waits a fixed 15 s for its dashboard agent to report the port it listens on, and
+    aborts the node if it has not ("Timed out waiting for file .../dashboard_agent_listen_port_...").
+    On the 2-core box busy with other test processes the agent took 30-40 s to import and start, so
+    ``ray.init()`` failed there (3 starts out of 3). The raylet does not wait for a port it is given:
+    here every agent port is chosen up front and handed to both the agent and the raylet (the
+    raylet's ``--dashboard_agent_listen_port`` flag, which ``ray.init`` does not pass), and the node
+    starts in ~25 s however slow the agent is.
+    """
+    ray = pytest.importorskip("ray")
+    import ray._private.node as ray_node
+    import ray._private.parameter as ray_parameter
+    import ray._private.services as ray_services
+
+    listen = _free_port()
+    wrapper = tmp_path_factory.mktemp("ray") / "raylet"
+    wrapper.write_text(f'#!/bin/sh\nexec {ray_services.RAYLET_EXECUTABLE} "$@" --dashboard_agent_listen_port={listen}\n')
+    wrapper.chmod(0o755)
+    real = ray_services.RAYLET_EXECUTABLE
+    ray_services.RAYLET_EXECUTABLE = str(wrapper)
+    try:
+        params = ray_parameter.RayParams(
+            num_cpus=2, include_dashboard=False, node_ip_address="127.0.0.1", metrics_agent_port=_free_port(),
+            dashboard_agent_listen_port=listen, runtime_env_agent_port=_free_port(), metrics_export_port=_free_port(),
+            env_vars={"OMP_WAIT_POLICY": "PASSIVE"})
+        node = ray_node.Node(params, head=True, shutdown_at_exit=True, spawn_reaper=True)
+    finally:
+        ray_services.RAYLET_EXECUTABLE = real
+    ray.init(address=node.address, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        node.kill_all_processes(check_alive=False, allow_graceful=True)
+
+
+@pytest.mark.slow
+def test_ray_actors_fan_out_and_survive_a_kill(tmp_path, ray_cluster):
+    """Two Ray actors, each an nnvllm engine of the toy model (one CPU each): the fanned-out dataset
+    equals one engine's, and after one actor is killed mid-collect (ray.kill) it still does."""
+    import nnvllm as nv
+    from nnvllm.distributed import RayEngine, ray_engines
+
+    ray = ray_cluster
+    a, b = ray_engines(n=2, num_cpus=1)
+    try:
+        assert isinstance(a, RayEngine) and a.pid != b.pid and a.checkpoint == b.checkpoint
+        ref = nv.collect([a], TOY_PROMPTS, tmp_path / "one", batch_size=3, **KW)
+        _same_as(nv.collect([a, b], TOY_PROMPTS, tmp_path / "two", batch_size=1, **KW), ref)
+        assert {e["engine"] for e in _index(tmp_path / "two")["shards"]} == {a.label, b.label}
+        watcher = _kill_once_listed(tmp_path / "killed", b.label, lambda: ray.kill(b.actor))
+        with pytest.warns(RuntimeWarning, match=re.escape(b.label) + r" was lost mid-collect \(\w*Actor"):
+            ds = nv.collect([a, b], TOY_PROMPTS * 2, tmp_path / "killed", batch_size=1, **KW)
+        watcher.join(timeout=5)
+        _same_as(ds, nv.collect([a], TOY_PROMPTS * 2, tmp_path / "one2", batch_size=8, **KW))
+    finally:
+        for e in (a, b):
+            e.close()
