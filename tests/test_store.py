@@ -464,6 +464,24 @@ def test_reads_check_each_shard_and_name_the_file(tmp_path, fake):
     assert torch.equal(store.open(tmp_path / "ds")[4].resid, want[4])
 
 
+def test_what_a_dataset_returns_is_its_own_memory(tmp_path, fake):
+    """Records and batches are copies, not views of the memory-mapped shard: a shard rewritten in
+    place afterwards leaves them as they were (a view of a file truncated in place kills the process
+    when touched)."""
+    model, _ = fake
+    ds = store.collect(model, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=3, progress=False)
+    want = fake_run(PROMPTS, max_tokens=3)
+    rec, batch = ds[4], next(ds.iter_batches("resid", layer=1, batch_rows=10**6))
+    for shard in (tmp_path / "ds").glob("shard-*.safetensors"):
+        data = _shard_bytes(shard)
+        n = int.from_bytes(data[:8], "little")
+        data[8 + n:] = bytes(len(data) - 8 - n)  # every tensor's data zeroed, in place
+        with shard.open("r+b") as f:
+            f.write(bytes(data))
+    assert torch.equal(rec.resid, want.resid[4]) and rec.ids.tolist() == want.sequence(4)
+    assert torch.equal(batch, torch.cat([t[1] for t in want.resid]))
+
+
 @pytest.mark.parametrize("name", ["../outside/x.safetensors", "/etc/passwd", "..", "sub/shard.safetensors", "",
                                   None, 7])
 def test_an_index_cannot_name_a_file_outside_the_dataset(tmp_path, fake, name):
