@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -190,3 +189,297 @@ def test_loading_a_transformers_backend_family_leaves_transformers_as_it_was(tmp
                          timeout=900, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     assert out.stdout.count(" ok ") == 3, out.stdout
+
+
+# ---------------------------------------------------------------- an isolated engine's client killed
+
+_KILLED_CLIENT = r"""
+import gc, json, sys, time
+import nnvllm as nv
+m = nv.load(sys.argv[1], isolate=True, dtype="float32")
+kept = nv.generate(m, ["The capital of France is", "The capital of Italy is"], max_tokens=4)
+dropped = nv.generate(m, ["Paris is the capital of"] * 3, max_tokens=6)
+del dropped
+gc.collect()
+again = nv.generate(m, ["Paris is the capital of"] * 3, max_tokens=6)  # recycles the dropped files
+print(json.dumps({"server": m.pid, "dir": str(m._server.dir)}), flush=True)
+time.sleep(600)
+"""
+
+
+def _cap_files_of(pids) -> list[str]:
+    from nnvllm.engine.worker.handoff import SHM_PREFIX, shm_dir
+
+    return [n for n in os.listdir(shm_dir()) if n.startswith(SHM_PREFIX)
+            and n[len(SHM_PREFIX):].split("-", 1)[0] in {str(p) for p in pids}]
+
+
+def test_a_killed_client_leaves_no_shared_memory_or_folder_behind(tmp_path, toy_path):
+    """A notebook killed with SIGKILL (no atexit runs) while its isolated engine holds hand-off files
+    (spares, recycled ones): the engine notices its client is gone and removes its files in shared
+    memory and the client's folder for it (log, port file) within seconds, and its processes end."""
+    import json
+    import signal
+
+    import psutil
+
+    script = tmp_path / "client.py"
+    script.write_text(_KILLED_CLIENT)
+    child = subprocess.Popen([sys.executable, str(script), toy_path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        line = " "
+        while line and not line.startswith("{"):  # (nv.load prints a line of its own)
+            line = child.stdout.readline()
+        assert line, child.stderr.read()[-4000:]
+        info = json.loads(line)
+        server = psutil.Process(info["server"])
+        pids = [server.pid] + [p.pid for p in server.children(recursive=True)]
+        made = _cap_files_of(pids)
+        assert made, "the engine holds no hand-off files: nothing to check"
+        assert os.path.isdir(info["dir"])
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        deadline = time.time() + 12
+        while time.time() < deadline and (_cap_files_of(pids) or os.path.exists(info["dir"])):
+            time.sleep(0.2)
+        assert not _cap_files_of(pids), f"left in shared memory: {_cap_files_of(pids)}"
+        assert not os.path.exists(info["dir"]), f"left behind: {info['dir']}"
+        psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=15)
+        assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if child.poll() is None:
+            child.kill()
+
+
+def test_stale_folders_of_gone_processes_are_removed_at_the_next_start(tmp_path):
+    """A folder named for a process that is gone (a kernel killed before an engine could remove it,
+    e.g. a URL attach's config and tokenizer) goes at the next start; a live process's stays."""
+    import tempfile
+
+    from nnvllm.engine.launch import ENGINE_DIR, REMOTE_DIR, sweep_stale_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    root = tempfile.gettempdir()
+    stale = [tempfile.mkdtemp(prefix=f"{p}{gone.pid}-") for p in (ENGINE_DIR, REMOTE_DIR)]
+    live = tempfile.mkdtemp(prefix=f"{ENGINE_DIR}{os.getpid()}-")
+    other = tempfile.mkdtemp(prefix="nnvllm-engine-", dir=root)  # not named by pid: not ours to judge
+    for d in stale:
+        open(os.path.join(d, "engine.log"), "w").close()
+    try:
+        removed = sweep_stale_dirs()
+        assert set(stale) <= set(removed) and not any(os.path.exists(d) for d in stale)
+        assert os.path.isdir(live) and os.path.isdir(other)
+    finally:
+        for d in (live, other, *stale):
+            import shutil
+
+            shutil.rmtree(d, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- a hostile server's replies
+
+
+class _Evil:
+    """Unpickled, this would run a command: what a compromised server could send."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _hostile_server(toy_path: str, replies: dict):
+    """A tiny HTTP server that answers like an nnvllm engine's info endpoint and replies to the other
+    endpoints with ``replies[path]`` (body, content type). Returns (url, server)."""
+    import http.server
+    import json
+
+    with open(os.path.join(toy_path, "config.json")) as f:
+        cfg = json.load(f)
+    info = {"checkpoint": toy_path, "pid": os.getpid(), "dtype": "torch.float32", "tp": 1, "max_num_seqs": 256,
+            "vocab_size": cfg["vocab_size"], "max_model_len": cfg["n_positions"], "cuda": False,
+            "sleep_platform": False, "sleep_mode": False}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _send(self, body: bytes, kind: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            if self.path == "/health":
+                return self._send(b'{"status": "ok"}', "application/json")
+            return self._send(json.dumps(info).encode(), "application/json")
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            return self._send(*replies[self.path])
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+def test_a_hostile_servers_replies_run_nothing_and_are_refused_clearly(tmp_path, toy_path):
+    """A client attached by URL reads every reply as data (nnvllm.engine.wire): a trace's reply, a
+    capture's reply and an unembedding that would run a command when unpickled are refused with a
+    clear error, and the command never runs; a hand-off that names a file outside nnvllm's shared
+    memory is refused before the file is read or removed."""
+    import io
+    import json
+
+    from nnvllm.engine.wire import UnsafeReply
+
+    marker = tmp_path / "ran"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("a file the client must not remove")
+
+    def saved(obj) -> bytes:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+
+    evil = saved({"saves": {"h": _Evil(str(marker))}, "error": None})
+    handoff = {"arenas": [{"files": {"resid": {"path": str(victim), "dtype": "float32", "shape": [1, 2, 64]}}}],
+               "requests": {}, "taken_back": []}
+    capture_reply = {"outputs": [{"request_id": "r1", "prompt_token_ids": [1, 2], "token_ids": [3], "text": " x",
+                                  "finished": True}], "handoff": handoff, "error": None}
+    url, server = _hostile_server(toy_path, {
+        "/v1/nnsight/generate": (evil, "application/octet-stream"),
+        "/v1/nnvllm/generate": (json.dumps(capture_reply).encode(), "application/json"),
+        "/v1/nnvllm/unembed": (saved({"parts": [_Evil(str(marker))]}), "application/octet-stream"),
+    })
+    try:
+        model = nv.load(url=url, token="t")
+        with pytest.raises(UnsafeReply, match=r"reply of the engine at .* to a trace is not data(.|\n)*"
+                                              r"posix\.system(.|\n)*nothing in it ran"):
+            with model.trace(CLEAN, temperature=0.0, max_tokens=1):
+                model.transformer.h[2].output.clone().save()
+        from nnvllm.analyses import unembedding  # (what nv.logit_lens and nv.stream read)
+
+        with pytest.raises(UnsafeReply, match="unembedding .* is not data"):
+            unembedding(model)
+        with pytest.raises(UnsafeReply, match=r"hand-off names .*victim\.txt(.|\n)*nothing was read or removed"):
+            nv.generate(model, CLEAN, max_tokens=1, layers=[0])
+        assert victim.read_text() == "a file the client must not remove"
+        model.close()
+    finally:
+        server.shutdown()
+    # the capture's reply as a pickle that would run the command
+    url, server = _hostile_server(toy_path, {"/v1/nnvllm/generate": (saved({"outputs": [_Evil(str(marker))]}),
+                                                                      "application/octet-stream")})
+    try:
+        model = nv.load(url=url, token="t")
+        with pytest.raises(UnsafeReply, match="capture's request or reply is not data"):
+            nv.generate(model, CLEAN, max_tokens=1)
+        model.close()
+    finally:
+        server.shutdown()
+    assert not marker.exists(), "a reply ran code in the client"
+    assert isinstance(UnsafeReply("x"), RuntimeError)
+
+
+def test_what_a_trace_saves_travels_as_data_and_the_rest_is_refused_by_name():
+    """The server's side of the same rule (wire.to_data): tensors, numbers, strings and containers of
+    them travel (subclasses as their plain base), vLLM's output objects as records with the same
+    attributes; anything else is refused naming the saved value and its type."""
+    import collections
+
+    import numpy as np
+
+    from nnvllm.engine.wire import Record, load_data, to_data
+
+    saves = {"h": torch.ones(2, 3), "n": 3, "x": np.float64(0.5), "s": "é", "b": b"\x00", "none": None,
+             "nested": [(1, 2.0), {"k": [torch.zeros(1)]}, {1, 2}], "od": collections.OrderedDict(a=1),
+             "top": torch.arange(5.0).topk(2), "size": torch.Size([2, 3]), "dt": torch.float16}
+    data = to_data(saves, "the saved values")
+    assert type(data["x"]) is float and type(data["top"]) is tuple and type(data["od"]) is collections.OrderedDict
+    import io
+
+    buf = io.BytesIO()
+    torch.save(data, buf)
+    back = load_data(buf.getvalue(), "a reply")
+    assert torch.equal(back["h"], saves["h"]) and back["nested"][1]["k"][0].shape == (1,)
+    assert back["s"] == "é" and back["size"] == torch.Size([2, 3]) and back["dt"] is torch.float16
+    assert torch.equal(back["top"][1], torch.tensor([4, 3]))
+    rec = Record("RequestOutput", {"outputs": [Record("CompletionOutput", {"token_ids": [5, 6]})], "finished": True})
+    buf = io.BytesIO()
+    torch.save({"result": rec}, buf)
+    got = load_data(buf.getvalue(), "a reply")["result"]
+    assert got.outputs[0].token_ids == [5, 6] and got.finished and got.kind == "RequestOutput" and got == rec
+    for bad, name in ((np.ones(2), "numpy.ndarray"), (torch.nn.Linear(1, 1), "Linear"), (print, "builtin")):
+        with pytest.raises(TypeError, match=rf"the saved values\['v'\]\[0\] is a .*{name}(.|\n)*data only"):
+            to_data({"v": [bad]}, "the saved values")
+
+
+# ---------------------------------------------------------------- Ctrl-C on an isolated engine
+
+
+@pytest.fixture(scope="module")
+def iso(toy_path, tp):
+    model = nv.load(toy_path, isolate=True, **engine_kwargs(tp))
+    yield model
+    model.close()
+
+
+def _ctrl_c_in(seconds: float) -> threading.Timer:
+    """SIGINT to the main thread (what Ctrl-C or a notebook's stop button does) ``seconds`` from now."""
+    import signal
+
+    timer = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def test_ctrl_c_on_an_isolated_engine_is_one_line_and_the_engine_stays_ready(iso):
+    """Ctrl-C during a long nv.generate on an isolated engine raises at once, as one line in a
+    notebook (nv's Interrupted, no chained httpx traceback); the engine cuts the call's requests
+    (the next call does not wait for 512 x 50 tokens) and answers the next call rightly. The same
+    for a trace."""
+    import traceback
+
+    from nnvllm.engine.procs import Interrupted
+
+    expected = nv.generate(iso, CLEAN, max_tokens=3)
+    prompts = [f"{CLEAN} {i}" for i in range(64)] * 8
+    finished = False
+    timer = _ctrl_c_in(1.0)
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        nv.generate(iso, prompts, max_tokens=50, ignore_eos=True)
+        finished = True
+        time.sleep(30)  # (a late signal lands here, not in the next test)
+    took = time.perf_counter() - t0
+    timer.cancel()
+    assert not finished, "the call ended before the interrupt; make it longer"
+    assert took < 6, f"the interrupt took {took:.1f} s to end the call"
+    e = stopped.value
+    assert isinstance(e, Interrupted), type(e)
+    shown = e._render_traceback_()  # what IPython prints
+    assert shown == [("KeyboardInterrupt: the call was interrupted; the engine stopped its requests and is ready "
+                      "for the next call")], shown
+    assert e.__cause__ is None and e.__suppress_context__  # no "During handling of ..." httpx chain
+    assert not any("httpx" in ln or "httpcore" in ln for ln in traceback.format_exception(e)), "httpx frames shown"
+    t1 = time.perf_counter()
+    again = nv.generate(iso, CLEAN, max_tokens=3)
+    assert time.perf_counter() - t1 < 10, "the next call waited for the interrupted one's requests"
+    assert again.tokens == expected.tokens and _same_run(again, expected)
+
+    timer = _ctrl_c_in(1.0)
+    with pytest.raises(Interrupted, match="the trace was interrupted"):
+        with iso.trace(temperature=0.0, max_tokens=50, ignore_eos=True) as tracer:
+            for p in prompts[:64]:
+                with tracer.invoke(p):
+                    pass
+        time.sleep(30)
+    timer.cancel()
+    h, lg = _trace(iso, CLEAN)
+    assert int(lg.argmax()) == expected.tokens[0][0] and torch.equal(h, _trace(iso, CLEAN)[0])

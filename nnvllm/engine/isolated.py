@@ -26,11 +26,14 @@ import atexit
 import contextlib
 import io
 import json
+import os
+import shutil
 import subprocess
 import tarfile
 import tempfile
 import threading
 import time
+import uuid
 import weakref
 from pathlib import Path
 from typing import Any
@@ -38,7 +41,7 @@ from typing import Any
 __all__ = ["EngineDied", "RemoteEngine", "start", "attach", "tree_rss"]
 
 from .launch import _cause, _describe_exit, _log_report, _Server, _tail  # noqa: F401 (tests import them from here)
-from .procs import ENGINE_DIED, TOKEN_HEADER, real_stdout, tree_rss  # stdlib-only at import
+from .procs import CALL_HEADER, ENGINE_DIED, TOKEN_HEADER, Interrupted, real_stdout, tree_rss  # stdlib-only at import
 
 _CONNECT_TIMEOUT = 10.0
 
@@ -79,6 +82,8 @@ class _Connection:
         model = self._model()
         if model is None:
             raise RuntimeError("this engine's model object is gone")
+        call = uuid.uuid4().hex  # what /v1/nnvllm/abort names if Ctrl-C ends this call
+        kw["headers"] = {**(kw.get("headers") or {}), CALL_HEADER: call}
         try:
             try:
                 r = self.client.request(method, path, **kw)
@@ -101,9 +106,19 @@ class _Connection:
         except httpx.TransportError as e:
             # ConnectError (nothing listens), ReadError / RemoteProtocolError (it died mid-request).
             model._engine_died(f"its server stopped answering ({type(e).__name__}: {e})")
+        except KeyboardInterrupt:
+            # Ctrl-C mid-request: the server cuts the call's requests (routes: a capture or trace
+            # whose client gave up), as an in-process engine aborts them; a fresh client so no
+            # half-read connection is reused. One line in a notebook (Interrupted), not the
+            # traceback through httpx.
+            self.client.close()
+            self.client = self._client()
+            with contextlib.suppress(Exception):
+                self.client.post("/v1/nnvllm/abort", json={"call": call}, timeout=5.0)
+            what = {"/v1/nnvllm/generate": "the call", "/v1/nnsight/generate": "the trace"}.get(path, path)
+            raise Interrupted(f"{what} was interrupted; the engine stopped its requests and is ready for the next "
+                              "call") from None
         except BaseException:
-            # KeyboardInterrupt mid-request: the server finishes the request on its own; start
-            # a fresh client so no half-read connection is ever reused.
             self.client.close()
             self.client = self._client()
             raise
@@ -127,16 +142,21 @@ class _Connection:
 
 def _serve_backend_class():
     """nnsight's serve backend, sending over the model's kept-alive connection (not a client per trace)."""
-    import torch
     from nnsight.intervention.errors import raise_deferred
     from nnsight.modeling.vllm.serve import http
     from nnsight.modeling.vllm.serve.backend import LocalServeBackend
 
+    from .wire import UnsafeReply, load_data
+
     class KeptAliveServeBackend(LocalServeBackend):
         def _send(self, blob: bytes) -> dict:
-            r = self.model._connection().request("POST", "/v1/nnsight/generate", content=blob,
-                                                  headers=http.headers(None))
-            result = torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=False)
+            conn = self.model._connection()
+            r = conn.request("POST", "/v1/nnsight/generate", content=blob, headers=http.headers(None))
+            # Data only (nnvllm.engine.wire): a reply that would run code is refused, never unpickled.
+            what = f"the reply of the engine at {conn.url} to a trace"
+            result = load_data(r.content, what)
+            if not isinstance(result, dict) or not isinstance(result.get("saves", {}), dict):
+                raise UnsafeReply(f"{what} is not a trace's reply (a dict with 'saves' and 'error'); it was refused")
             raise_deferred(result.get("error"))
             return result.get("saves", {})
 
@@ -151,10 +171,10 @@ class RemoteEngine:
         self.conn = model._connection()  # raises if closed or dead
 
     def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
-        from .transport import CLIENT_TIMINGS, pack, unpack
+        from .transport import CLIENT_TIMINGS, _take_returned, pack, unpack
 
         t0 = time.perf_counter()
-        body, kind = pack({"prompts": prompts, "params": params, "spec": spec})
+        body, kind = pack({"prompts": prompts, "params": params, "spec": _take_returned(spec)})
         r = self.conn.request("POST", "/v1/nnvllm/generate", content=body, headers={"Content-Type": kind})
         CLIENT_TIMINGS.update(http=time.perf_counter() - t0)
         # Plain data only (ids, text, file names of the shared-memory hand-off), as JSON: never unpickled.
@@ -179,6 +199,10 @@ class RemoteEngine:
         import httpx
         import torch
 
+        from .transport import _take_returned
+        from .wire import load_data
+
+        spec = _take_returned(spec)
         sid = uuid.uuid4().hex
         buf = io.BytesIO()
         torch.save({"prompts": prompts, "params": params, "spec": spec, "stream_id": sid}, buf)
@@ -198,8 +222,8 @@ class RemoteEngine:
                         n = struct.unpack("<Q", pending[:8])[0]
                         if len(pending) < 8 + n:
                             break
-                        # Plain data and tensors only: never unpickle.
-                        msg = torch.load(io.BytesIO(pending[8: 8 + n]), map_location="cpu", weights_only=True)
+                        # Plain data and tensors only: never unpickle code (nnvllm.engine.wire).
+                        msg = load_data(pending[8: 8 + n], f"a frame of the stream from {conn.url}")
                         pending = pending[8 + n:]
                         if msg.get("error"):
                             kind, text = msg["error"]
@@ -218,6 +242,9 @@ class RemoteEngine:
             if not model._engine_alive():
                 model._engine_died(f"its server stopped answering during a stream ({type(e).__name__})")
             raise ConnectionError(f"the stream from {conn.url} broke off: {type(e).__name__}: {e}") from None
+        except KeyboardInterrupt:  # (the finally cuts the generation)
+            raise Interrupted("the stream was interrupted; the engine stopped its requests and is ready for the "
+                              "next call") from None
         finally:
             if not ended and model._dead is None:  # left early (break, an error): the server cuts the generation
                 with contextlib.suppress(Exception):
@@ -225,12 +252,12 @@ class RemoteEngine:
         raise ConnectionError(f"the stream from {conn.url} ended without its result")
 
     def unembed(self, final_norm: str, unembed: str) -> list[dict]:
-        import torch
+        from .wire import load_data
 
         body = {"final_norm": final_norm, "unembed": unembed}
         r = self.conn.request("POST", "/v1/nnvllm/unembed", json=body)
-        # Tensors, floats and strings only: loaded without unpickling code.
-        return torch.load(io.BytesIO(r.content), map_location="cpu", weights_only=True)["parts"]
+        # Tensors, floats and strings only: loaded without unpickling code (nnvllm.engine.wire).
+        return load_data(r.content, f"the unembedding from {self.conn.url}")["parts"]
 
     def info(self) -> dict:
         return self.model._info
@@ -257,6 +284,7 @@ def _close_all() -> None:
     for model in list(_LIVE.values()):
         try:
             model._stop()
+            model._forget_remote_dir()
         except Exception:  # noqa: BLE001, S110  at exit: end what can be ended, never raise
             pass
 
@@ -270,7 +298,7 @@ def _register_atexit() -> None:
 
 
 _LOCAL_ONLY = ("_conn", "_server", "_relaunch", "_info", "_attach_url", "_attach_token", "_dead", "_closed",
-               "_nnvllm_unembed")
+               "_nnvllm_unembed", "_remote_dir")
 
 
 class IsolatedMixin:
@@ -407,7 +435,13 @@ class IsolatedMixin:
         if self._closed:
             return
         self._stop()
+        self._forget_remote_dir()
         self._closed = True
+
+    def _forget_remote_dir(self) -> None:
+        where = self.__dict__.pop("_remote_dir", None)  # (attached by URL: the engine's config, tokenizer)
+        if where:
+            shutil.rmtree(where, ignore_errors=True)
 
     def restart(self) -> None:
         """Start a new engine with the same arguments (or re-attach to the same URL); no kernel restart."""
@@ -517,7 +551,10 @@ def attach(cls_for, url: str, token: str | None, checkpoint: str | None):
         # tokenizer, fetched from the server (no weights travel).
         files = httpx.get(url + "/v1/nnvllm/files", headers={TOKEN_HEADER: token}, timeout=60.0)
         files.raise_for_status()
-        where = tempfile.mkdtemp(prefix="nnvllm-remote-")
+        from .launch import REMOTE_DIR, sweep_stale_dirs
+
+        sweep_stale_dirs()
+        where = tempfile.mkdtemp(prefix=f"{REMOTE_DIR}{os.getpid()}-")
         with tarfile.open(fileobj=io.BytesIO(files.content)) as tar:
             tar.extractall(where, filter="data")
     cls, cfg_path, arch = cls_for(where)
@@ -526,6 +563,8 @@ def attach(cls_for, url: str, token: str | None, checkpoint: str | None):
     _init(model, info["checkpoint"], arch)
     model._relaunch = None
     model._attach_url, model._attach_token = url, token
+    if where != checkpoint and where != info["checkpoint"]:
+        model._remote_dir = where  # removed at close() and exit; a killed kernel's at the next start
     _connect(model, url, token)
     return model
 

@@ -55,11 +55,41 @@ def _describe_exit(rc: int) -> str:
     return f"exited with code {rc}"
 
 
+# This process's folders in the temporary directory, named with its pid: an isolated engine's
+# (its log and port file) and a URL attach's (the engine's config and tokenizer).
+ENGINE_DIR, REMOTE_DIR = "nnvllm-engine-", "nnvllm-remote-"
+
+
+def sweep_stale_dirs() -> list[str]:
+    """Remove the folders of :data:`ENGINE_DIR` and :data:`REMOTE_DIR` whose process is gone (a
+    kernel killed before it could remove them; an engine whose client is gone removes its own too)."""
+    import shutil
+
+    root, gone = Path(tempfile.gettempdir()), []
+    for d in root.glob("nnvllm-*-*-*"):
+        name = d.name
+        prefix = next((p for p in (ENGINE_DIR, REMOTE_DIR) if name.startswith(p)), None)
+        if prefix is None or not d.is_dir():
+            continue
+        try:
+            pid = int(name[len(prefix):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ValueError:
+            continue  # not named by this scheme
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(str(d))
+        except PermissionError:
+            pass  # another user's process holds it
+    return gone
+
+
 class _Server:
     """One ``python -m nnvllm.engine.server`` process group started by this process."""
 
     def __init__(self, checkpoint: str, engine_args: dict) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="nnvllm-engine-"))
+        sweep_stale_dirs()
+        self.dir = Path(tempfile.mkdtemp(prefix=f"{ENGINE_DIR}{os.getpid()}-"))
         self.log = self.dir / "engine.log"
         self.token = secrets.token_urlsafe(32)
         port_file = self.dir / "port"
@@ -73,7 +103,7 @@ class _Server:
         if len(env.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|")) != tp:
             env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
         cmd = [sys.executable, "-m", "nnvllm.engine.server", checkpoint, "--port", "0",
-               "--port-file", str(port_file), "--watch-pid", str(os.getpid()),
+               "--port-file", str(port_file), "--watch-pid", str(os.getpid()), "--owned-dir", str(self.dir),
                "--engine-args", json.dumps(engine_args)]
         with open(self.log, "wb") as log:
             # A new session: its own process group, ended as a whole (SIGTERM of the server alone

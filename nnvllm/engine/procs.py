@@ -8,11 +8,12 @@ from __future__ import annotations
 import contextlib
 import sys
 
-__all__ = ["ENGINE_DIED", "Interrupted", "TOKEN_ENV", "TOKEN_HEADER", "check_sleep", "real_stdout", "tree_rss"]
+__all__ = ["CALL_HEADER", "ENGINE_DIED", "Interrupted", "TOKEN_ENV", "TOKEN_HEADER", "check_sleep", "real_stdout", "tree_rss"]
 
 TOKEN_HEADER = "ndif-api-key"  # what nnsight's serve client sends
 TOKEN_ENV = "NNVLLM_TOKEN"  # how nv.load(isolate=True) hands the token over (argv is world-readable)
 ENGINE_DIED = "nnvllm: engine died"  # the 503 detail clients turn into nv.EngineDied
+CALL_HEADER = "nnvllm-call"  # a call's id, which /v1/nnvllm/abort names (the client's Ctrl-C)
 
 
 class Interrupted(KeyboardInterrupt):

@@ -18,9 +18,11 @@ import time
 import uuid
 from typing import Any
 
+from .aborts import Calls, ClientLeft, while_client_waits  # (stdlib-only at import)
 from .procs import ENGINE_DIED, TOKEN_HEADER  # (stdlib-only at import)
 from .transport import (ARM, COLLECT, DISARM, PEEK, UNEMBED, StreamBook, collect_tokens, pack,  # (stdlib-only at import)
                         plain_output, sampling_params, unpack)
+from .wire import to_data  # (stdlib-only at import)
 
 
 def _torch_payload(obj: Any):
@@ -160,8 +162,17 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             return _error(503, ENGINE_DIED)
         return {"status": "ok", "pid": os.getpid()}
 
+    calls = Calls()
+
     async def trace(request: Request):
         """nnsight's ``/v1/nnsight/generate``, with the fixes listed in the module docstring."""
+        left = calls.start(request)
+        try:
+            return await _trace(request, left)
+        finally:
+            calls.end(request)
+
+    async def _trace(request, left: asyncio.Event):
         from nnsight.intervention.errors import capture_exception
         from nnsight.modeling.vllm.engines.engine import acollect
         from nnsight.tracing import globals as tracing_globals
@@ -198,10 +209,18 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                 if not collected:  # cancelled mid-generation: free the request's workers
                     await asyncio.shield(acollect(engine, request_id))
 
-        results = await asyncio.gather(
+        gathered = asyncio.ensure_future(asyncio.gather(
             *(run_invoke(p, q, loras[i] if loras else None) for i, (p, q) in enumerate(zip(prompts, params))),
             return_exceptions=True,
-        )
+        ))
+        try:
+            await while_client_waits(request, left, [gathered])
+        except ClientLeft as e:  # cancelled, vLLM aborts each request; run_invoke collects its workers
+            gathered.cancel()
+            with contextlib.suppress(BaseException):
+                await gathered
+            return serve._payload({}, capture_exception(e))
+        results = gathered.result()
         if _dead(engine):
             return _error(503, ENGINE_DIED)
         per_request, first_error = [], None
@@ -213,13 +232,30 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             saves, error = result
             per_request.append(saves)
             first_error = first_error or error
-        return serve._payload(_merge_saves(mediators, per_request), first_error)
+        try:  # data only travels back (nnvllm.engine.wire): the client reads it with weights_only=True
+            saves = to_data(_merge_saves(mediators, per_request), "the saved values")
+        except TypeError as e:
+            return serve._payload({}, capture_exception(e))
+        return serve._payload(saves, first_error)
 
     async def capture(request: Request):
         """Arm the capture, run the prompts concurrently, collect: one ``nv.generate``.
 
         The activations travel through shared memory (``nnvllm.engine.worker``): the reply is small.
+        A client that gives up (``/v1/nnvllm/abort``) has its requests cut.
         """
+        left = calls.start(request)
+        try:
+            return await _capture(request, left)
+        finally:
+            calls.end(request)
+
+    async def abort(request: Request):
+        """``{"call"}``: the client gave up on that call (Ctrl-C): cut its requests."""
+        body = await request.json()
+        return {"status": "ok", "running": calls.abort(str(body.get("call")))}
+
+    async def _capture(request, left: asyncio.Event):
         from vllm.sampling_params import RequestOutputKind
 
         t0 = time.perf_counter()
@@ -249,11 +285,13 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                     await _start_together(engine, ids, tasks, lambda: [
                         asyncio.ensure_future(one(p, sp, i)) for p, sp, i in zip(req["prompts"], params, ids)])
                     t3 = time.perf_counter()
-                    outputs = await asyncio.gather(*tasks)
+                    await while_client_waits(request, left, tasks)
+                    outputs = [t.result() for t in tasks]
                     t4 = time.perf_counter()
                 except BaseException:
-                    for t in tasks:
+                    for t in tasks:  # cancelled, vLLM aborts each request
                         t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
                     await _rpc(engine, DISARM)
                     raise
                 finally:
@@ -467,6 +505,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         ("/v1/nnvllm/generate", capture, ["POST"]),
         ("/v1/nnvllm/stream", stream, ["POST"]),
         ("/v1/nnvllm/stream/stop", stream_stop, ["POST"]),
+        ("/v1/nnvllm/abort", abort, ["POST"]),
         ("/v1/nnvllm/unembed", unembed, ["POST"]),
         ("/v1/nnvllm/info", info, ["GET"]),
         ("/v1/nnvllm/files", files, ["GET"]),
@@ -487,6 +526,12 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         if engine is not None:
             with contextlib.suppress(Exception):
                 engine.shutdown()
+        # Its workers' hand-off files (spares, recycled ones) are removed at their exit, which a
+        # shutdown that ends in a kill skips.
+        with contextlib.suppress(Exception):
+            from .worker.leftovers import sweep_group
+
+            sweep_group()
 
     app.router.lifespan_context = lifespan
 

@@ -39,8 +39,13 @@ __all__ = ["ENGINE_DIED", "TOKEN_ENV", "TOKEN_HEADER", "main"]
 from .procs import ENGINE_DIED, TOKEN_ENV, TOKEN_HEADER  # (stdlib-only at import)
 
 
-def _watch_parent(pid: int) -> None:
-    """End this server (and its process group) once process ``pid`` is gone: a killed kernel."""
+def _watch_parent(pid: int, owned_dir: str | None = None) -> None:
+    """End this server (and its process group) once process ``pid`` is gone: a killed kernel.
+
+    What the engine made goes with it, since its client cannot clean up any more: the hand-off files
+    of the group's processes in shared memory (at once, after the engine's shutdown, and before the
+    last kill) and ``owned_dir``, the client's folder for this engine (its log and port file).
+    """
     import psutil
 
     ppid = os.getppid()
@@ -53,14 +58,30 @@ def _watch_parent(pid: int) -> None:
 
     def loop():
         while not gone():
-            time.sleep(1.0)
+            time.sleep(0.5)
+        _remove_what_the_engine_made(owned_dir)
         os.kill(os.getpid(), signal.SIGTERM)  # graceful: the engine shuts down in the lifespan
         time.sleep(10.0)
+        _remove_what_the_engine_made(owned_dir)
         if os.getpgrp() == os.getpid():  # our own group (start_new_session): end all of it
             os.killpg(os.getpgrp(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=loop, name="nnvllm-watch-parent", daemon=True).start()
+
+
+def _remove_what_the_engine_made(owned_dir: str | None) -> None:
+    """The group's hand-off files in shared memory and ``owned_dir``; never raises."""
+    import shutil
+
+    try:
+        from .worker.leftovers import sweep_group
+
+        sweep_group()
+    except Exception:  # noqa: BLE001, S110  ending anyway: remove what can be removed
+        pass
+    if owned_dir:
+        shutil.rmtree(owned_dir, ignore_errors=True)
 
 
 def _parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
@@ -79,6 +100,8 @@ def _parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, dict]:
                    "else a random one, printed")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     p.add_argument("--watch-pid", type=int, default=None, help="shut down when this process is gone")
+    p.add_argument("--owned-dir", default=None,
+                   help="with --watch-pid: a folder of the watched process's for this engine, removed when it is gone")
     p.add_argument("--engine-args", default=None, help="engine arguments as a JSON object")
     args, rest = p.parse_known_args(argv)
     short = [a for a in rest if a.startswith("-") and not a.startswith("--")]
@@ -116,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         token = secrets.token_urlsafe(32)
         print(f"nnvllm.engine.server: token (header {TOKEN_HEADER}): {token}", flush=True)
     if args.watch_pid:
-        _watch_parent(args.watch_pid)
+        _watch_parent(args.watch_pid, args.owned_dir)
     # vLLM's EngineCore and workers inherit this and end their process group once this server is
     # gone (killed with SIGKILL, e.g. by the OOM killer): see nnvllm.engine.worker.handoff.watch_server.
     os.environ["NNVLLM_SERVER_PID"] = str(os.getpid())

@@ -84,16 +84,14 @@ def pack(obj) -> tuple[bytes, str]:
 
 
 def unpack(data: bytes, content_type: str | None):
-    """What :func:`pack` made (tensors to the CPU); never unpickles code."""
-    import io
-
+    """What :func:`pack` made (tensors to the CPU); never unpickles code (:func:`.wire.load_data`)."""
     if (content_type or "").startswith(JSON_TYPE):
         import json
 
         return json.loads(data)
-    import torch
+    from .wire import load_data
 
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return load_data(data, "a capture's request or reply")
 
 
 def plain_output(out) -> dict:

@@ -11,7 +11,6 @@ tensors are handed over directly.
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 import time
 import uuid
@@ -20,68 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-SHM_PREFIX = "nnvllm-cap-"
-
-
-def shm_dir() -> str:
-    d = "/dev/shm"
-    return d if os.path.isdir(d) and os.access(d, os.W_OK) else tempfile.gettempdir()
-
-
-def watch_server() -> None:
-    """In an isolated engine's processes: end the process group when its server is gone.
-
-    The server (``nnvllm.engine.server``) is the parent of vLLM's EngineCore; killed with SIGKILL it cannot
-    stop them, and they kept their memory (GPU memory on a GPU) until the client's next call. This
-    thread, started where the model loads (EngineCore, or each worker under TP), checks every half
-    second and ends the group (the server's session, which holds nothing else).
-    """
-    import threading
-    import time
-
-    pid = int(os.environ.get("NNVLLM_SERVER_PID") or 0)
-    if not pid or pid == os.getpid() or os.getpgrp() != pid:
-        return  # not inside an isolated engine's own process group
-
-    def alive() -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        try:  # a killed server stays a zombie until the client reaps it
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    def loop() -> None:
-        while alive():
-            time.sleep(0.5)
-        os.killpg(os.getpgrp(), 9)
-
-    threading.Thread(target=loop, name="nnvllm-watch-server", daemon=True).start()
-
-
-def sweep_stale() -> list[str]:
-    """Remove hand-off files whose engine process is gone (a client killed before it mapped them)."""
-    d, gone = shm_dir(), []
-    for name in os.listdir(d):
-        if not name.startswith(SHM_PREFIX):
-            continue
-        try:
-            pid = int(name[len(SHM_PREFIX):].split("-", 1)[0])
-            os.kill(pid, 0)
-        except (ValueError, ProcessLookupError):
-            try:
-                os.unlink(os.path.join(d, name))
-                gone.append(name)
-            except OSError:
-                pass
-        except PermissionError:
-            pass
-    return gone
+# Where the files live, and what removes them when an engine's processes end (leftovers).
+from .leftovers import SHM_PREFIX, shm_dir, sweep_group, sweep_stale, watch_server  # noqa: F401
 
 
 class _ShmFile:
@@ -504,14 +443,34 @@ def _map_kept(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
+def _check_handed(f: dict) -> torch.dtype:
+    """A hand-off entry names a file of nnvllm's in shared memory and a torch dtype, or is refused:
+    the client maps and then removes the files a reply names, so a reply naming any other file (an
+    engine attached by URL that is not nnvllm's) must not get that far. Returns the dtype."""
+    from ..wire import UnsafeReply
+
+    path = f.get("path") if isinstance(f, dict) else None
+    ours = (isinstance(path, str) and os.path.basename(path).startswith(SHM_PREFIX)
+            and os.path.dirname(os.path.realpath(path)) == os.path.realpath(shm_dir()))
+    dtype = getattr(torch, f.get("dtype", ""), None) if isinstance(f, dict) and isinstance(f.get("dtype"), str) else None
+    if not ours or not isinstance(dtype, torch.dtype):
+        raise UnsafeReply(
+            f"the engine's hand-off names {path!r} (dtype {f.get('dtype') if isinstance(f, dict) else f!r}); a "
+            f"hand-off names nnvllm's files in {shm_dir()} ({SHM_PREFIX}*) and a torch dtype. Refused: "
+            "nothing was read or removed.")
+    return dtype
+
+
 def open_handover(part: dict) -> dict[str, torch.Tensor]:
     """The client side of :func:`_handover`: map the files (then unlink them, unless the engine keeps
     them for recycling) or take the tensors."""
     if "tensors" in part:
         return part["tensors"]
     out = {}
-    for name, f in part["files"].items():
-        dtype = getattr(torch, f["dtype"])
+    files = part["files"]
+    dtypes = {name: _check_handed(f) for name, f in files.items()}  # all checked before any is touched
+    for name, f in files.items():
+        dtype = dtypes[name]
         numel = int(np.prod(f["shape"])) if f["shape"] else 1
         item = torch.empty((), dtype=dtype).element_size()
         kept = bool(f.get("kept"))
@@ -536,6 +495,7 @@ def open_handover(part: dict) -> dict[str, torch.Tensor]:
 
 def discard_handover(part: dict) -> None:
     for f in part.get("files", {}).values():
+        _check_handed(f)
         if f.get("kept"):
             _RETURNED.add(f["path"])
             continue
