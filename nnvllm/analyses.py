@@ -373,19 +373,24 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
     if v_id == t_id:
         raise ValueError(f"target={target!r} and versus={versus!r} are the same token (id {t_id}); the difference "
                          "would be 0 everywhere. Pass two different tokens, or versus=None.")
-    out: dict[str, list] = {k: [] for k in ("heads", "mlp", "attn_bias", "embed", "bias", "logit_diff")}
+    # Every request's logit positions in one batch: the weights' projections are made once per call.
+    n_heads = run.meta.get("attention", {}).get("n_heads")
+    parts: dict[str, list] = {k: [] for k in ("z", "mlp", "attn", "resid", "embed")}
+    steps, diffs = [], []
     for i in range(len(run)):
         P, T = len(run.prompt_ids[i]), len(run.tokens[i])
         pos = torch.arange(P - 1, P - 1 + T)
-        seq = torch.tensor(run.sequence(i))
         z = run.sites["z"][i]
         if z.ndim == 3:  # [layer, pos, heads * d_head]
-            z = z.unflatten(-1, (run.meta.get("attention", {}).get("n_heads") or weights.w_o.shape[2] // z.shape[-1], -1))
+            z = z.unflatten(-1, (n_heads or weights.w_o.shape[2] // z.shape[-1], -1))
+        parts["z"].append(z.index_select(1, pos))
+        parts["mlp"].append(run.sites["mlp"][i].index_select(1, pos))
+        if post:
+            parts["attn"].append(run.sites["attn"][i].index_select(1, pos))
         resid = run.resid[i][-1].index_select(0, pos).float()
-        terms = logit_attribution(
-            weights, t_id, v_id, z=z.index_select(1, pos), mlp=run.sites["mlp"][i].index_select(1, pos),
-            resid=resid, embed=weights.embedding(seq[pos], pos),
-            attn=run.sites["attn"][i].index_select(1, pos) if post else None)
+        parts["resid"].append(resid)
+        parts["embed"].append(weights.embedding(torch.tensor(run.sequence(i))[pos], pos))
+        steps.append(T)
         if run.logits is not None:
             lg = uncap(run.logits[i], weights.soft_cap)
             diff = lg[:, t_id] - (lg[:, v_id] if v_id is not None else 0.0)
@@ -396,8 +401,12 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
                 lg = lg + weights.unembed_bias[rows].float()
             lg = lg * weights.logit_scale
             diff = lg[:, 0] - (lg[:, 1] if v_id is not None else 0.0)
-        for k in ("heads", "mlp", "attn_bias", "embed", "bias"):
-            out[k].append(terms[k])
-        out["logit_diff"].append(diff.float())
+        diffs.append(diff.float())
+    terms = logit_attribution(
+        weights, t_id, v_id, z=torch.cat(parts["z"], 1), mlp=torch.cat(parts["mlp"], 1),
+        resid=torch.cat(parts["resid"]), embed=torch.cat(parts["embed"]),
+        attn=torch.cat(parts["attn"], 1) if post else None)
+    out = {k: list(terms[k].split(steps)) for k in ("heads", "mlp", "attn_bias", "embed", "bias")}
+    out["logit_diff"] = diffs
     labels = tuple(None if x is None else (tok.decode([x]) if tok is not None else str(x)) for x in (t_id, v_id))
     return Attribution(target=t_id, versus=v_id, labels=labels, meta={"model": run.meta.get("model")}, **out)

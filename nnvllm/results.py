@@ -135,7 +135,8 @@ class Run:
         """Token ids at request i's captured positions (prompt, then the fed-back generated ids)."""
         return list(self.prompt_ids[i]) + list(self.tokens[i][:-1])
 
-    def attention(self, layer: int, request: int = 0, heads=None, *, queries=None, budget: int = 256 << 20) -> Tensor:
+    def attention(self, layer: int, request: int = 0, heads=None, *, queries=None, budget: int = 256 << 20,
+                  device=None) -> Tensor:
         """Return the attention pattern ``[heads, query_pos, key_pos]`` of block ``layer`` for one request.
 
         Rebuilt from the captured ``q`` and ``k`` (``sites=["q", "k"]``) with the model's own scale,
@@ -149,6 +150,8 @@ class Run:
             heads: None (every head), an int or a list of head indices.
             queries: None (every position), a slice, or query positions.
             budget: bytes of scores computed at once (memory only; the result does not change).
+            device: where to compute (e.g. "cuda"); the result stays there. Default: where q and k
+                are (the CPU for a Run).
 
         Example:
             >>> run = nv.generate(model, "The capital of France is", sites=["q", "k"])   # doctest: +SKIP
@@ -172,8 +175,10 @@ class Run:
             raise ValueError(f"request={request!r}: expected an index 0-{len(self) - 1}")
         j = self.layers.index(layer)
         spec = AttentionSpec.from_dict(self.meta["attention"])
-        return patterns(self.sites["q"][request][j], self.sites["k"][request][j], spec, layer, heads=heads,
-                        queries=queries, budget=budget)
+        q, k = self.sites["q"][request][j], self.sites["k"][request][j]
+        if device is not None:
+            q, k = q.to(device), k.to(device)
+        return patterns(q, k, spec, layer, heads=heads, queries=queries, budget=budget)
 
     def to_frame(self, by: str = "step"):
         """Return one row per (request, step): the sampled token, its probability and rank-1 alternative.

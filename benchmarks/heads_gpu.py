@@ -1,0 +1,133 @@
+"""Heads on a GPU: what capturing q, k, z costs against the residual stream, patterns of a long request,
+and a direct logit attribution over a batch.
+
+    python benchmarks/heads_gpu.py --out heads_gpu.json
+
+Llama-1B shape (``capture_gpu.py``'s ``llama1b``: 16 layers, d=2048, 32 query heads and 8 KV heads of
+64), random fp16 weights, the in-process engine with CUDA graphs:
+
+- capture: 64 prompts x 128 greedy tokens, every layer; tokens only (no activations, no logits), the
+  residual stream, and the residual stream plus q, k and z. GB/s of each recording = its bytes over
+  its time beyond the tokens-only call (medians of ``--repeats`` after a warm-up on the full batch).
+- patterns: one request of 2,048 positions, every layer and head (``nnvllm.heads.patterns`` on the
+  GPU, q and k moved there once), its time and the peak memory it added.
+- attribution: ``nv.attribute`` of one token pair over the 64 x 128 run (client-side projection, the
+  weights read with transformers beforehand), and how far its terms' sum is from the engine's logit
+  difference (fp16 captures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from capture_gpu import PROMPT_LEN, SHAPES, build, prompts  # noqa: E402
+
+
+def _median(fn, repeats: int) -> float:
+    fn()  # warm-up on the full batch
+    ts = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--long", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="heads_gpu.json")
+    a = ap.parse_args()
+
+    import torch
+
+    import nnvllm as nv
+    from nnvllm import capture
+    from nnvllm.arch import AttentionSpec, arch_for
+    from nnvllm.heads import HeadWeights, patterns
+    from nnvllm.reference import load_reference
+
+    shape = SHAPES["llama1b"]
+    path = build("llama1b", Path(tempfile.gettempdir()) / "nnvllm-bench")
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"  # (the CPU: a smoke run of the script, not a measurement)
+    model = nv.load(path, dtype="float16" if cuda else "float32", max_model_len=max(4096, a.long + 16),
+                    **({"gpu_memory_utilization": 0.6, "cuda_graphs": True} if cuda else {}))
+    ps, T, L = prompts(a.prompts), a.tokens, shape["layers"]
+    res: dict = {"shape": shape, "prompts": a.prompts, "tokens": T, "repeats": a.repeats}
+
+    def gen(**kw):
+        return nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False, **kw)
+
+    res["tokens_only_s"] = _median(lambda: gen(layers=None), a.repeats)
+    res["resid_s"] = _median(lambda: gen(layers="all"), a.repeats)
+    res["resid_eager_steps"] = bool(capture._LAST_STATS.get("eager"))
+    res["resid_qkz_s"] = _median(lambda: gen(layers="all", sites=["q", "k", "z"]), a.repeats)
+    res["resid_qkz_eager_steps"] = bool(capture._LAST_STATS.get("eager"))
+    pos = a.prompts * (PROMPT_LEN + T - 1)
+    d, hd = shape["d"], shape["d"] // shape["heads"]
+    widths = {"resid": d, "q": shape["heads"] * hd, "k": shape["kv"] * hd, "z": shape["heads"] * hd}
+    b_resid = pos * L * widths["resid"] * 2
+    b_qkz = pos * L * (widths["q"] + widths["k"] + widths["z"]) * 2
+    res["resid_bytes"], res["qkz_bytes"] = b_resid, b_qkz
+    res["resid_GBps"] = b_resid / (res["resid_s"] - res["tokens_only_s"]) / 1e9
+    res["qkz_GBps"] = b_qkz / (res["resid_qkz_s"] - res["resid_s"]) / 1e9  # q, k, z beyond the resid call
+    res["resid_qkz_GBps"] = (b_resid + b_qkz) / (res["resid_qkz_s"] - res["tokens_only_s"]) / 1e9
+
+    # patterns of one long request, every layer and head, on the GPU
+    long = " ".join(f"t{(3 * j) % 8000 + 1}" for j in range(a.long))
+    run = nv.generate(model, long, max_tokens=1, sites=["q", "k"], logits=False)
+    spec = AttentionSpec.from_dict(run.meta["attention"])
+    qs = [run.sites["q"][0][j].to(dev) for j in range(L)]
+    ks = [run.sites["k"][0][j].to(dev) for j in range(L)]
+    res["long_positions"] = int(qs[0].shape[0])
+
+    def all_patterns():
+        s = 0.0
+        for j in range(L):
+            s += float(patterns(qs[j], ks[j], spec, j)[:, -1].sum())  # each layer's result, then dropped
+        return s
+
+    all_patterns()
+    if cuda:
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    total = all_patterns()
+    res["patterns_all_layers_s"] = time.perf_counter() - t
+    if cuda:
+        res["patterns_peak_added_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+    res["patterns_one_layer_result_GiB"] = spec.n_heads * res["long_positions"] ** 2 * 4 / 2**30
+    res["patterns_rows_sum"] = total / (L * spec.n_heads)  # each last row sums to 1
+    t = time.perf_counter()
+    float(run.attention(L - 1, device=dev)[0, -1].sum())
+    res["run_attention_one_layer_s"] = time.perf_counter() - t  # with the transfer of q and k
+    del qs, ks, run
+
+    # attribution of one token pair over the batch (client-side projection)
+    run = nv.generate(model, ps, max_tokens=T, ignore_eos=True, sites=["z", "mlp"])
+    hf, _ = load_reference(path, "float16" if cuda else "float32")
+    weights = HeadWeights.from_module(hf, arch_for(hf.config.architectures), hf.config)
+    t = time.perf_counter()
+    att = nv.attribute(run, 5, 9, weights=weights)
+    res["attribute_s"] = time.perf_counter() - t
+    err = max(float((att.total(i) - att.logit_diff[i]).abs().max()) for i in range(len(run)))
+    res["attribute_identity_max_abs"] = err
+    res["attribute_logit_diff_max_abs"] = max(float(x.abs().max()) for x in att.logit_diff)
+    model.close()
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
