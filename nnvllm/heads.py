@@ -119,6 +119,34 @@ def _check_qk(q: Tensor, k: Tensor, spec: AttentionSpec, layer: int) -> tuple[Te
     return q, k
 
 
+def _chunks(q: Tensor, k: Tensor, spec: AttentionSpec, layer: int, hs: list[int], qpos: Tensor, budget: int):
+    """Yield ``(rows, lo, probs [heads, c, top - lo])``: the chunk's query positions and their
+    probabilities over keys ``lo..top-1``, the only keys they can see (all others are 0)."""
+    dev = q.device
+    head_idx = torch.tensor(hs, dtype=torch.long, device=dev)
+    kv_idx = head_idx // spec.group
+    window = spec.window(layer)
+    cap = spec.soft_cap
+    per_row = 2 * max(1, len(hs)) * max(1, q.shape[0]) * 4  # scores (the softmax's output), mask
+    step = max(1, int(budget) // per_row)
+    for a in range(0, qpos.numel(), step):
+        rows = qpos[a:a + step]
+        if not rows.numel():
+            continue
+        top = int(rows.max()) + 1  # no query of the chunk sees a key past its own position
+        lo = 0 if window is None else max(0, int(rows.min()) - window + 1)
+        qc = q.index_select(0, rows).index_select(1, head_idx).float().transpose(0, 1)  # [H, c, d]
+        kc = k[lo:top].index_select(1, kv_idx).float().permute(1, 2, 0)  # [H, d, K]
+        scores = torch.bmm(qc, kc).mul_(spec.scale)  # [H, c, K]
+        if cap is not None:
+            scores.div_(cap).tanh_().mul_(cap)
+        kpos = torch.arange(lo, top, device=dev)
+        hidden = kpos[None, :] > rows[:, None]
+        if window is not None:
+            hidden |= kpos[None, :] <= rows[:, None] - window
+        yield rows, lo, torch.softmax(scores.masked_fill_(hidden, float("-inf")), -1)
+
+
 def pattern_chunks(q: Tensor, k: Tensor, spec: AttentionSpec, layer: int, *, heads=None, queries=None,
                    budget: int = _BUDGET) -> Iterator[tuple[Tensor, Tensor]]:
     """Yield ``(query positions [c], pattern [heads, c, keys])`` chunk by chunk (see :func:`patterns`).
@@ -128,33 +156,10 @@ def pattern_chunks(q: Tensor, k: Tensor, spec: AttentionSpec, layer: int, *, hea
     """
     q, k = _check_qk(q, k, spec, layer)
     hs = _heads(heads, spec.n_heads)
-    n_pos = q.shape[0]
-    dev = q.device
-    qpos = _queries(queries, n_pos, dev)
-    head_idx = torch.tensor(hs, dtype=torch.long, device=dev)
-    kv_idx = head_idx // spec.group
-    window = spec.window(layer)
-    cap = spec.soft_cap
-    per_row = 3 * max(1, len(hs)) * max(1, n_pos) * 4  # scores, mask, probabilities
-    step = max(1, int(budget) // per_row)
-    for a in range(0, qpos.numel(), step):
-        rows = qpos[a:a + step]
-        if not rows.numel():
-            continue
-        top = int(rows.max()) + 1  # no query of the chunk sees a key past its own position
-        lo = 0 if window is None else max(0, int(rows.min()) - window + 1)
-        qc = q.index_select(0, rows).index_select(1, head_idx).float()  # [c, H, d]
-        kc = k[lo:top].index_select(1, kv_idx).float()  # [K, H, d]
-        scores = torch.einsum("chd,khd->hck", qc, kc) * spec.scale
-        if cap is not None:
-            scores = torch.tanh(scores / cap) * cap
-        kpos = torch.arange(lo, top, device=dev)
-        allowed = kpos[None, :] <= rows[:, None]
-        if window is not None:
-            allowed &= kpos[None, :] > rows[:, None] - window
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-        out = torch.zeros(len(hs), rows.numel(), n_pos, dtype=torch.float32, device=dev)
-        out[:, :, lo:top] = probs
+    qpos = _queries(queries, q.shape[0], q.device)
+    for rows, lo, probs in _chunks(q, k, spec, layer, hs, qpos, budget):
+        out = torch.zeros(len(hs), rows.numel(), q.shape[0], dtype=torch.float32, device=q.device)
+        out[:, :, lo:lo + probs.shape[-1]] = probs
         yield rows, out
 
 
@@ -184,8 +189,8 @@ def patterns(q: Tensor, k: Tensor, spec: AttentionSpec, layer: int, *, heads=Non
     qpos = _queries(queries, q.shape[0], q.device)
     out = torch.zeros(len(hs), qpos.numel(), q.shape[0], dtype=torch.float32, device=q.device)
     at = 0
-    for rows, chunk in pattern_chunks(q, k, spec, layer, heads=hs, queries=qpos, budget=budget):
-        out[:, at:at + rows.numel()] = chunk
+    for rows, lo, probs in _chunks(q, k, spec, layer, hs, qpos, budget):
+        out[:, at:at + rows.numel(), lo:lo + probs.shape[-1]] = probs
         at += rows.numel()
     return out
 

@@ -67,7 +67,7 @@ def test_patterns_in_chunks_heads_and_queries_are_slices_of_the_whole():
     assert (patterns(q, k, spec, 0, heads=[3, 1]) - whole[[3, 1]]).abs().max() < 1e-6
     assert (patterns(q, k, spec, 0, queries=[20, 5]) - whole[:, [20, 5]]).abs().max() < 1e-6
     assert (patterns(q, k, spec, 0, queries=slice(-3, None)) - whole[:, -3:]).abs().max() < 1e-6
-    chunks = list(pattern_chunks(q, k, spec, 0, budget=3 * 4 * 23 * 4 * 5))  # 5 queries per chunk
+    chunks = list(pattern_chunks(q, k, spec, 0, budget=2 * 4 * 23 * 4 * 5))  # 5 queries per chunk
     assert [len(r) for r, _ in chunks] == [5, 5, 5, 5, 3]
 
 
