@@ -96,7 +96,8 @@ def main() -> None:
         cmd = [sys.executable, str(Path(__file__).parent / "capture_gpu.py"), "--case", "bare_graphs", "--path", path,
                "--shape", "llama1b", "--prompts", str(n), "--tokens", str(T), "--repeats", str(args.repeats),
                "--root", str(root)]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=dict(os.environ, VLLM_PLUGINS=""))
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=400, check=False,
+                           env={**os.environ, "VLLM_PLUGINS": ""})
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
         if lines:
             out["seconds"]["bare_graphs"] = json.loads(lines[-1][7:])["bare_graphs"]["median"]
@@ -105,18 +106,18 @@ def main() -> None:
         print("bare_graphs", out["seconds"].get("bare_graphs"), flush=True)
 
     import torch
+    from vllm import SamplingParams
 
     import nnvllm as nv
     from nnvllm import capture
-    from vllm import SamplingParams
 
     t0 = time.perf_counter()
     folders = random_saes(root, L, shape["d"], args.d_sae, args.sae_dtype)
     saes = [nv.SAE.load(f) for f in folders]
     out["sae_write_load_s"] = time.perf_counter() - t0
     gpu = torch.cuda.is_available()
-    model = nv.load(path, isolate=False, **(dict(dtype="float16", cuda_graphs=True, gpu_memory_utilization=0.5)
-                                            if gpu else dict(dtype="float32")))
+    model = nv.load(path, isolate=False, **({"dtype": "float16", "cuda_graphs": True, "gpu_memory_utilization": 0.5}
+                                            if gpu else {"dtype": "float32"}))
     ps = prompts(n) if not args.path else [f"The capital of France is {i}" for i in range(n)]
     sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
     s = out["seconds"]
@@ -138,8 +139,8 @@ def main() -> None:
     out["bytes"]["resid / features"] = out["bytes"]["resid"] / out["bytes"]["features"]
     # the features are the SAEs' encoding of the stream the dense run captured (same greedy tokens)
     j = L // 2
-    want_ids, want_values = saes[j].top_features(dense.resid[0][j].float(), args.k)
-    ids, values = feats.features[j][0]
+    _, want_values = saes[j].top_features(dense.resid[0][j].float(), args.k)
+    values = feats.features[j][0][1]
     out["check"] = {"tokens_equal": feats.tokens == dense.tokens,
                     "values_max_abs": float((values.float() - want_values).abs().max()),
                     "fires_per_position": float((want_values > 0).sum(dim=-1).float().mean())}

@@ -22,8 +22,16 @@ D_IN, D_SAE = 64, 256
 
 def _sae_lens_sae(arch: str, *, hook_name="blocks.3.hook_resid_post", seed=0, d_in=D_IN, **cfg):
     """A random sae-lens inference SAE of ``arch`` whose every parameter is drawn (not left at init)."""
-    from sae_lens import (GatedSAE, GatedSAEConfig, JumpReLUSAE, JumpReLUSAEConfig, StandardSAE,
-                          StandardSAEConfig, TopKSAE, TopKSAEConfig)
+    from sae_lens import (
+        GatedSAE,
+        GatedSAEConfig,
+        JumpReLUSAE,
+        JumpReLUSAEConfig,
+        StandardSAE,
+        StandardSAEConfig,
+        TopKSAE,
+        TopKSAEConfig,
+    )
 
     classes = {"standard": (StandardSAE, StandardSAEConfig), "jumprelu": (JumpReLUSAE, JumpReLUSAEConfig),
                "topk": (TopKSAE, TopKSAEConfig), "gated": (GatedSAE, GatedSAEConfig)}
@@ -364,7 +372,7 @@ def test_sparse_features_are_the_top_k_of_the_dense_code(toy, saes):
 
 def test_features_beside_the_residual_stream_are_its_encoding(toy, saes):
     """With the residual stream captured too, the features are the SAE's encoding of exactly that."""
-    ref, sae = saes["jumprelu"]
+    _, sae = saes["jumprelu"]
     run = nv.generate(toy, PROMPTS[:2], max_tokens=STEPS, layers=[0, LAYER], saes=[sae], sae_k=16, seed=3,
                       temperature=1.0)
     for i in range(2):
@@ -433,7 +441,7 @@ def test_saes_that_do_not_fit_the_model_are_refused(toy, saes, tmp_path):
 def test_steering_by_a_feature_is_the_same_addition_in_transformers(toy, toy_path, saes, fidelity):
     """Edit.feature adds scale * W_dec[f] at the SAE's site and layer: the engine's residual stream
     equals transformers' with the same edit made by hooks, and the feature fires more."""
-    ref, sae = saes["jumprelu"]
+    _, sae = saes["jumprelu"]
     plain = nv.generate(toy, PROMPTS[:2], max_tokens=STEPS, layers=[LAYER], ignore_eos=True, saes=[sae], sae_dense=True)
     # the feature whose decoder direction its own encoder reads most: steering raises its pre-activation
     # by 6 x that at every position (the encoder is linear up to the activation)

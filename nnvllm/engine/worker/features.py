@@ -27,7 +27,7 @@ _CACHE: dict[tuple, Any] = {}
 _KIND: dict[tuple, tuple] = {}
 # Rows encoded at once: the dense code of a chunk stays under this many bytes (a prefill step of
 # thousands of tokens times many 16k-feature SAEs would otherwise need gigabytes at once).
-CHUNK_BYTES = int(os.environ.get("NNVLLM_SAE_CHUNK_BYTES", 512 << 20))
+CHUNK_BYTES = int(os.environ.get("NNVLLM_SAE_CHUNK_BYTES") or 512 << 20)
 
 
 def _member_key(spec: dict, device) -> tuple:
