@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import engine_kwargs
 
 import nnvllm as nv
-from conftest import engine_kwargs
 from nnvllm import chat
 
 TOL = 1e-3  # fp32, CPU; the fidelity fixture calibrates it on a GPU
@@ -239,7 +239,7 @@ def test_conversations_match_transformers_rendering_and_capture(engine, fidelity
 
 
 def test_logit_lens_stream_and_steering_take_a_conversation(engine):
-    kind, _, model = engine
+    _, _, model = engine
     lens = nv.logit_lens(model, ONE, max_tokens=2)
     run = nv.generate(model, [ONE], max_tokens=2)
     assert lens.roles == run.roles[0] and lens.labels[0] == model.tokenizer.decode([run.prompt_ids[0][0]])
@@ -350,3 +350,31 @@ def test_content_parts_templates_and_developer_messages_render_as_vllm_would(toy
     assert r.text == "<system>Answer.<user>The capital" and "system" in r.roles
     assert chat.select_positions(r.roles, "content") == [p for p, x in enumerate(r.roles) if x != "template"]
     assert chat.select_positions(r.roles, "all") is None and chat.select_positions(r.roles, [0, 1]) is None
+
+
+def test_a_lens_selected_by_role_keeps_its_positions_and_a_patch_result_its_roles():
+    from nnvllm.lens import Lens, Norm, Unembed, lens_topk
+    from nnvllm.patching import PatchResult
+
+    g = torch.Generator().manual_seed(0)
+    u = Unembed(Norm("layernorm", torch.ones(8), torch.zeros(8)), torch.randn(20, 8, generator=g))
+    resid = torch.randn(3, 7, 8, generator=g)
+    ids, probs = lens_topk(resid, u, k=3)
+    roles = ["template", "user", "user", "template", "user", "assistant", "assistant"]
+    lens = Lens(top_ids=ids, top_probs=probs, layers=[0, 1, 2], labels=list("abcdefg"), prompt_len=5, resid=resid,
+                unembed=u, roles=roles)
+    user = lens.select("user")
+    assert user.positions == [1, 2, 4] and user.labels == ["b", "c", "e"] and user.prompt_len == 3
+    assert torch.equal(user.top_probs, probs[:, [1, 2, 4]])
+    assert torch.allclose(user.prob_of(5), lens.prob_of(5)[:, [1, 2, 4]])
+    assert list(user.to_frame()["pos"].unique()) == [1, 2, 4]
+    assert lens.select(["user", "assistant"]).positions == lens.select("content").positions == [1, 2, 4, 5, 6]
+    assert lens.select([6, 0]).roles == ["assistant", "template"]
+    with pytest.raises(ValueError, match="not a role of these positions"):
+        lens.select("tool")
+    with pytest.raises(ValueError, match="1 roles"):
+        Lens(top_ids=ids, top_probs=probs, layers=[0, 1, 2], labels=list("abcdefg"), prompt_len=5, resid=resid,
+             unembed=u, roles=["user"])
+    with pytest.raises(ValueError, match="2 positions but 1 roles"):
+        PatchResult(effect=torch.zeros(1, 2), patched_diff=torch.zeros(1, 2), clean_diff=1.0, corrupt_diff=0.0,
+                    layers=[0], positions=[1, 2], labels=["a", "b"], site="resid", answer="x", wrong="y", roles=["user"])
