@@ -189,6 +189,7 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
     prompt_lens = _prompt_lens(model, prompts, rendered)
     _validate.fits_context(prompt_lens, max_tokens, _context_len(model, engine))
     from . import edits as _edits
+    from .engine.worker.crosshost import client_probe
     from .engine.worker.handoff import returned_files
 
     edit_list = _edits.resolve(edits, model.arch, model.n_layers, _edits.site_widths(model),
@@ -207,7 +208,8 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
                        **({"extra_args": {PROMPT_TAG: i}} if tagged else {})) for i in range(len(prompts))]
     spec = {"family": arch.family, "layers": list(layer_ids), "sites": list(wanted), "logits": bool(logits),
             "sample": {"temperature": float(temperature), "top_p": float(top_p), "k": int(top_k)},
-            "client_pid": os.getpid(), "edits": _edits.to_spec(edit_list), "stream": bool(stream),
+            "client_pid": os.getpid(), "client_shm": client_probe(),  # where the hand-off can reach
+            "edits": _edits.to_spec(edit_list), "stream": bool(stream),
             "returned": returned_files(),  # hand-off files of dropped Runs, for the engine to reuse
             "saes": sae_specs,
             **_size_hint(model, prompts, max_tokens, prompt_lens)}

@@ -89,11 +89,11 @@ def _collect_chunk(model, prompts: list, kwargs: dict, path: str, ids: list[int]
 
     The one unit of work, the same wherever it runs (a thread of the driver for a local model, a
     Ray actor for a :class:`RayEngine`)."""
-    from . import capture, store
-    from .shards import write_shard
+    from . import capture
+    from .shards import _index_facts, write_shard
 
     run = capture.generate(model, prompts, **kwargs)
-    facts = store._index_facts(run)
+    facts = _index_facts(run)
     entry = write_shard(run, path, ids, policy, fsync)
     return entry, facts
 

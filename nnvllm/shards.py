@@ -126,6 +126,13 @@ def write_shard(run: Run, path: str | Path, request_ids: Sequence[int], logits_p
 # ---------------------------------------------------------------- the index
 
 
+def _index_facts(run: Run) -> dict:
+    """What the index records of a dataset's first chunk: layers, widths, dtype, the run's meta."""
+    acts = ({"resid": run.resid} if run.resid is not None else {}) | run.sites
+    return {"layers": run.layers, "meta": run.meta, "widths": {s: int(p[0].shape[-1]) for s, p in acts.items()},
+            "dtype": str(next(iter(acts.values()))[0].dtype).removeprefix("torch.") if acts else None}
+
+
 def _write_index(out: Path, index: dict | str, fsync: bool = True) -> None:
     text = index if isinstance(index, str) else json.dumps(index, ensure_ascii=False)
     atomic_write(out / INDEX, lambda tmp: tmp.write_text(text), fsync=fsync)

@@ -35,8 +35,8 @@ from torch import Tensor
 from . import _validate
 from ._validate import parse_bytes
 from .shards import (FORMAT, IN_FLIGHT, INDEX, LOGITS, SHARD_FORMAT, WRITERS, _config_int, _engine,
-                     _estimate_pos_bytes, _facts, _next_chunk, _policy, _pos_bytes, _prompt_tokens, _read_index,
-                     _request_bytes, _shard_problem, _write_index, write_shard)
+                     _estimate_pos_bytes, _facts, _index_facts, _next_chunk, _policy, _pos_bytes, _prompt_tokens,
+                     _read_index, _request_bytes, _shard_problem, _write_index, write_shard)
 from .shards import _engine_facts  # noqa: F401  (read as store._engine_facts by the tests)
 
 __all__ = ["FORMAT", "INDEX", "LOGITS", "SHARD_FORMAT", "Dataset", "Record", "collect", "open", "parse_bytes",
@@ -64,13 +64,6 @@ def _drop_bad_shards(out: Path, index: dict, fsync: bool) -> None:
     warnings.warn(f"out={str(out)!r}: " + "; ".join(f"{e['file']} {why}" for e, why in bad)
                   + f"; its {sum(len(e['requests']) for e, _ in bad)} request(s) are collected again",
                   UserWarning, stacklevel=3)
-
-
-def _index_facts(run) -> dict:
-    """What the index records of the first chunk's run: layers, widths, dtype, the run's meta."""
-    acts = ({"resid": run.resid} if run.resid is not None else {}) | run.sites
-    return {"layers": run.layers, "meta": run.meta, "widths": {s: int(p[0].shape[-1]) for s, p in acts.items()},
-            "dtype": str(next(iter(acts.values()))[0].dtype).removeprefix("torch.") if acts else None}
 
 
 def _layers_setting(layers) -> Any:

@@ -229,29 +229,104 @@ def _kill_once_listed(path, who: str, kill) -> threading.Thread:
     return t
 
 
+@pytest.fixture(scope="module")
+def isolated_pair():
+    """Two isolated engines of the toy model (closed after the module)."""
+    import nnvllm as nv
+
+    a = nv.load(isolate=True)
+    try:
+        b = nv.load(isolate=True)
+    except BaseException:
+        a.close()
+        raise
+    yield a, b
+    a.close()
+    b.close()
+
+
 @pytest.mark.slow
-def test_isolated_engines_fan_out_and_survive_a_kill(tmp_path):
+def test_a_worker_on_another_host_hands_over_inline(isolated_pair, monkeypatch):
+    """A client whose shared memory the worker cannot see (its probe file is not there: another host)
+    gets the capture through the engine's HTTP reply instead of /dev/shm files, with the same numbers."""
+    import nnvllm as nv
+    from nnvllm import capture
+    from nnvllm.engine.worker import crosshost
+
+    a, _ = isolated_pair
+    kw = {"max_tokens": 3, "layers": "all", "sites": ("mlp",), "logits": True, "ignore_eos": True}
+    near = nv.generate(a, TOY_PROMPTS[:3], **kw)
+    assert capture._LAST_TIMINGS.get("handover_bytes", 0) > 0  # through files
+    elsewhere = os.path.join(crosshost.shm_dir(), f"{crosshost.PROBE_PREFIX}{os.getpid()}-another-host")
+    monkeypatch.setattr(crosshost, "client_probe", lambda: elsewhere)
+    far = nv.generate(a, TOY_PROMPTS[:3], **kw)
+    assert "handover_bytes" not in capture._LAST_TIMINGS  # no file was made: the bytes came inline
+    assert far.tokens == near.tokens
+    for i in range(3):
+        assert torch.equal(far.resid[i], near.resid[i]) and torch.equal(far.sites["mlp"][i], near.sites["mlp"][i])
+        assert torch.equal(far.logits[i], near.logits[i])
+        assert torch.equal(far.samples[i].probs, near.samples[i].probs)
+
+
+@pytest.mark.slow
+def test_isolated_engines_fan_out_and_survive_a_kill(tmp_path, isolated_pair):
     """Two isolated engines: the fanned-out dataset equals one engine's, and after one engine is
     killed (its process group, SIGKILL) mid-collect, the dataset still equals it."""
     import nnvllm as nv
     from nnvllm.distributed import _label
 
-    a = nv.load(isolate=True)
-    b = nv.load(isolate=True)
-    try:
-        ref = nv.collect(a, TOY_PROMPTS, tmp_path / "one", batch_size=3, **KW)
-        _same_as(nv.collect([a, b], TOY_PROMPTS, tmp_path / "two", batch_size=1, **KW), ref)
-        assert len({e["engine"] for e in _index(tmp_path / "two")["shards"]}) == 2
-        watcher = _kill_once_listed(tmp_path / "killed", _label(b), lambda: os.killpg(b.pid, signal.SIGKILL))
-        with pytest.warns(RuntimeWarning, match=r"isolated engine pid \d+ .* was lost mid-collect \(EngineDied"):
-            ds = nv.collect([a, b], TOY_PROMPTS * 2, tmp_path / "killed", batch_size=1, **KW)
-        watcher.join(timeout=5)
-        ref2 = nv.collect(a, TOY_PROMPTS * 2, tmp_path / "one2", batch_size=8, **KW)
-        _same_as(ds, ref2)
-        assert b._dead is not None
-    finally:
-        a.close()
-        b.close()
+    a, b = isolated_pair
+    ref = nv.collect(a, TOY_PROMPTS, tmp_path / "one", batch_size=3, **KW)
+    _same_as(nv.collect([a, b], TOY_PROMPTS, tmp_path / "two", batch_size=1, **KW), ref)
+    assert len({e["engine"] for e in _index(tmp_path / "two")["shards"]}) == 2
+    watcher = _kill_once_listed(tmp_path / "killed", _label(b), lambda: os.killpg(b.pid, signal.SIGKILL))
+    with pytest.warns(RuntimeWarning, match=r"isolated engine pid \d+ .* was lost mid-collect \(EngineDied"):
+        ds = nv.collect([a, b], TOY_PROMPTS * 2, tmp_path / "killed", batch_size=1, **KW)
+    watcher.join(timeout=5)
+    _same_as(ds, nv.collect(a, TOY_PROMPTS * 2, tmp_path / "one2", batch_size=8, **KW))
+    assert b._dead is not None
+
+
+def test_load_refuses_the_ray_executor_where_vllm_has_none():
+    """vLLM's CPU platform has no Ray executor: nv.load says so, naming the platform, before an engine starts."""
+    if torch.cuda.is_available():
+        pytest.skip("the GPU platform runs Ray's executor (test_ray_executor_equals_the_engine_without_ray)")
+    import nnvllm as nv
+
+    before, t0 = len(nv.engines()), time.monotonic()
+    with pytest.raises(ValueError, match=r"distributed_executor_backend='ray': vLLM's 'cpu' platform .* "
+                                         r"does not support ray"):
+        nv.load(distributed_executor_backend="ray")
+    assert time.monotonic() - t0 < 30 and len(nv.engines()) == before  # no engine was started
+
+
+@pytest.mark.gpu
+def test_ray_executor_equals_the_engine_without_ray(tmp_path):
+    """On a GPU, TP=1 under vLLM's Ray executor (a one-GPU local Ray cluster): the same tokens,
+    activations, logits and edits as the same engine on vLLM's own executor, through the taps and
+    the hand-off (rank 0's worker is a Ray actor on this host: files in /dev/shm)."""
+    pytest.importorskip("ray")
+    import nnvllm as nv
+
+    kw = {"max_tokens": 4, "layers": "all", "sites": ("mlp",), "logits": True, "temperature": 1.0, "seed": 3,
+          "ignore_eos": True}
+    got = {}
+    for backend in ("ray", None):
+        extra = {"distributed_executor_backend": backend} if backend else {}
+        with nv.load(dtype="float32", **extra) as m:
+            run = nv.generate(m, TOY_PROMPTS, **kw)
+            v = torch.ones(m.config.n_embd) * 0.5
+            steered = nv.generate(m, TOY_PROMPTS[:2], max_tokens=3, edits=[nv.Edit.add(v, layers=1)])
+            ds = nv.collect(m, TOY_PROMPTS, tmp_path / str(backend), batch_size=3, **{**KW, "progress": False})
+            got[backend] = (run, steered, [ds[i] for i in range(len(TOY_PROMPTS))])
+    (run, steered, recs), (want, want_steered, want_recs) = got["ray"], got[None]
+    assert run.tokens == want.tokens and steered.tokens == want_steered.tokens
+    for i in range(len(TOY_PROMPTS)):
+        assert torch.allclose(run.resid[i], want.resid[i], atol=1e-4, rtol=0), i
+        assert torch.allclose(run.sites["mlp"][i], want.sites["mlp"][i], atol=1e-4, rtol=0), i
+        assert torch.allclose(run.logits[i], want.logits[i], atol=1e-4, rtol=0), i
+        assert recs[i].tokens == want_recs[i].tokens
+        assert torch.allclose(recs[i].resid, want_recs[i].resid, atol=1e-4, rtol=0), i
 
 
 # --- Ray actors ------------------------------------------------------------------------------------

@@ -203,6 +203,7 @@ def load(
         raise TypeError(f"isolate={isolate!r}; expected True, False or None (the platform default)")
     # Every check that needs no engine runs here, before one starts (seconds to minutes of work).
     engine_args = _validate.engine_args(engine_args)
+    _check_executor(engine_args)
     if engine_args.get("exact"):
         dt = engine_args.get("dtype", "float32")
         if str(dt).removeprefix("torch.") not in ("float32", "float"):
@@ -241,6 +242,29 @@ def load(
     _track(m)
     _announce(m, before)
     return m
+
+
+def _check_executor(engine_args: dict) -> None:
+    """``distributed_executor_backend="ray"`` (vLLM's Ray executor: workers as Ray actors, on one host
+    or several) goes to vLLM as given where the platform runs it; refused before anything starts
+    where it does not (vLLM's CPU platform refuses it only once the engine is being built) or where
+    Ray is not installed."""
+    if engine_args.get("distributed_executor_backend") != "ray":
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.ray_device_key:  # vLLM's own test: an empty key is a platform without Ray
+        raise ValueError(
+            f"distributed_executor_backend='ray': vLLM's {current_platform.device_name!r} platform (the vLLM "
+            "build on this machine) does not run Ray's executor ('current platform "
+            f"{current_platform.device_name} does not support ray'); it needs a GPU. Here, drop the argument "
+            "(vLLM's own executor), or spread a collection over several engines with nv.collect([engine, "
+            "...], ...) (engines in Ray actors: nnvllm.distributed.ray_engines)")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ValueError("distributed_executor_backend='ray' needs Ray: pip install 'nnvllm[dist]' "
+                         "(or pip install ray)") from None
 
 
 def _replace_in_process_engine(model, engine_args: dict):

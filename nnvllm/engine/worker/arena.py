@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .crosshost import sees_client
 from .features import _Features
 from .handoff import _SPARES, _handover, _ShmFiles
 from .taps import _HEAD_SITES, _Taps, _prompt_len
@@ -58,10 +59,12 @@ class _Capture:
         self.merged_gate_up = bool(taps.arch.get("merged_gate_up"))
         # Logits stay in the engine's dtype (what its sampler upcasts): half the bytes of fp32 in fp16.
         self.logits_dtype = taps.dtype
-        remote = spec.get("client_pid") != os.getpid()
-        self.shm = _ShmFiles(taps.device) if remote and self.keep else None
+        # A worker on another host than the client (its shared memory not ours) hands over inline.
+        self.inline = not sees_client(spec)
+        remote = spec.get("client_pid") != os.getpid() or self.inline
+        self.shm = _ShmFiles(taps.device) if remote and not self.inline and self.keep else None
         # files of the client's dropped Runs, ready again (see _Spares); the client hears which
-        self.taken_back = _SPARES.take_back(spec.get("returned")) if remote else []
+        self.taken_back = _SPARES.take_back(spec.get("returned")) if remote and not self.inline else []
         self.timings: dict[str, float] = {}
         self.stats = {"rows": 0, "partial_prefills": 0, "steps": 0, "batch_changes": 0, "eager": bool(self.need_eager)}
         # nv.stream: positions computed per request (kept only when streaming) and how far peek() went
@@ -293,7 +296,8 @@ class _Capture:
             if self.logits:
                 tensors["_logits"] = arena["_logits"][:used_steps]
             t0 = _now(dev)
-            out["arenas"].append(_handover(tensors, same_process, self.shm, self.timings))
+            out["arenas"].append(_handover(tensors, same_process and not self.inline, self.shm, self.timings,
+                                           inline=self.inline))
             self.timings["handover"] = self.timings.get("handover", 0.0) + _now(dev) - t0
         if any(s in _HEAD_SITES for s in self.sites):  # for the Run's meta: what Run.attention rebuilds with
             out["meta"] = {"attention": t.heads["spec"]}

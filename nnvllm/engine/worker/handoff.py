@@ -344,7 +344,7 @@ def _d2h(host: torch.Tensor, v: torch.Tensor, mode: str, f: _ShmFile | None = No
 
 
 def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFiles | None" = None,
-              timings: dict[str, float] | None = None) -> dict:
+              timings: dict[str, float] | None = None, inline: bool = False) -> dict:
     """Move tensors to the client: directly in one process, else through files in shared memory.
 
     Each tensor becomes one file in ``/dev/shm``, prepared during the generation (:class:`_ShmFiles`).
@@ -356,6 +356,10 @@ def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFi
     """
     if same_process:
         return {"tensors": {k: v.to("cpu") for k, v in tensors.items()}}
+    if inline:  # the client is on another host: the bytes go in the reply (.crosshost)
+        from .crosshost import pack_inline
+
+        return pack_inline(tensors)
     import time
 
     mode = _handover_mode()
@@ -466,6 +470,10 @@ def open_handover(part: dict) -> dict[str, torch.Tensor]:
     them for recycling) or take the tensors."""
     if "tensors" in part:
         return part["tensors"]
+    if "inline" in part:  # from a worker on another host (.crosshost)
+        from .crosshost import unpack_inline
+
+        return unpack_inline(part)
     out = {}
     files = part["files"]
     dtypes = {name: _check_handed(f) for name, f in files.items()}  # all checked before any is touched
