@@ -116,8 +116,7 @@ class _Connection:
             with contextlib.suppress(Exception):
                 self.client.post("/v1/nnvllm/abort", json={"call": call}, timeout=5.0)
             what = {"/v1/nnvllm/generate": "the call", "/v1/nnsight/generate": "the trace"}.get(path, path)
-            raise Interrupted(f"{what} was interrupted; the engine stopped its requests and is ready for the next "
-                              "call") from None
+            raise Interrupted(f"{what} was interrupted; its requests were aborted and the engine is ready") from None
         except BaseException:
             self.client.close()
             self.client = self._client()
@@ -243,8 +242,7 @@ class RemoteEngine:
                 model._engine_died(f"its server stopped answering during a stream ({type(e).__name__})")
             raise ConnectionError(f"the stream from {conn.url} broke off: {type(e).__name__}: {e}") from None
         except KeyboardInterrupt:  # (the finally cuts the generation)
-            raise Interrupted("the stream was interrupted; the engine stopped its requests and is ready for the "
-                              "next call") from None
+            raise Interrupted("the stream was interrupted; its requests were aborted and the engine is ready") from None
         finally:
             if not ended and model._dead is None:  # left early (break, an error): the server cuts the generation
                 with contextlib.suppress(Exception):

@@ -211,6 +211,12 @@ class EngineLock:
             pass
         self._owner, self._what = threading.get_ident(), what
 
+    def adopt(self) -> None:
+        """The call holding the engine now runs in this thread: a stream iterated (or closed, by the
+        garbage collector) in another thread than the one it started in."""
+        if self._owner is not None:
+            self._owner = threading.get_ident()
+
     def _release(self) -> None:
         self._owner, self._what = None, ""
         self._lock.release()
@@ -383,6 +389,7 @@ class InProcessEngine:
                 book.update(plain_output(o) for o in eng.step())
                 peek = self.llm.collective_rpc(PEEK)[0]
                 yield "step", book.snapshot(), peek
+                self.lock.adopt()  # (resumed, perhaps by another thread)
                 abort = book.stop(stop.is_set())
                 if abort is not None:
                     eng.abort_request(abort)
@@ -392,6 +399,7 @@ class InProcessEngine:
             handoff = self.llm.collective_rpc(COLLECT, args=(collect_tokens(outputs), os.getpid()))[0]
             yield "done", outputs, handoff
         finally:
+            self.lock.adopt()  # (closed, perhaps by the garbage collector in another thread)
             if armed:  # an error, or the consumer stopped iterating: leave the engine clean
                 with contextlib.suppress(Exception):
                     eng.abort_request(book.unfinished())
