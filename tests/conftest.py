@@ -81,7 +81,7 @@ SPLIT_BY_CASE = ("tests/test_families.py",)
 SHARED_ENGINE_FILES = (
     "test_vllm.py", "test_edits.py", "test_stream.py", "test_engine.py", "test_widgets.py", "test_store.py",
     "test_analyses.py", "test_capture.py", "test_bad_input.py", "test_bad_input_more.py", "test_interrupt.py",
-    "test_analyses_llama.py", "test_heads.py", "test_reliability.py",
+    "test_analyses_llama.py", "test_heads.py", "test_reliability.py", "test_sae.py",
 )
 SHARED_UNIT = "tests/(shared engines)"
 
