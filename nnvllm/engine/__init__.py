@@ -218,6 +218,8 @@ def load(
             engine_args = {**engine_args, "cuda_graphs": default_cuda_graphs()}
     weights = _needs_weight_files(engine_args)
     logs.route_vllm_logs()
+    if not logs.verbose():  # vLLM's weight-loading bar writes to the notebook's stderr
+        engine_args = {"use_tqdm_on_load": False, **engine_args}
     before = len(logs.ENGINE_LOG.lines)
     if not isolate:
         if not _is_hub_id(model):  # a local folder: its config and weights (_build_engine reads it again)

@@ -463,7 +463,9 @@ def interruptible(llm):
             pending = list(getattr(eng.output_processor, "request_states", {}))
             if pending:
                 eng.abort_request(pending, internal=True)
-            raise KeyboardInterrupt("generation interrupted; its requests were aborted and the engine is ready")
+            from .procs import Interrupted
+
+            raise Interrupted("generation interrupted; its requests were aborted and the engine is ready")
         return real_step(*args, **kwargs)
 
     previous = signal.signal(signal.SIGINT, on_sigint)
