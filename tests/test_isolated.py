@@ -219,7 +219,7 @@ def test_the_engine_core_is_forked_from_the_server_on_cpu(iso):
     interpreter that imports vLLM again. A process's /proc environ is the environment it was exec'd
     with: a spawned EngineCore's holds NNVLLM_SERVER_PID, which the server sets in its own environment
     at start (nnvllm.engine.server.main); a forked one has the server's exec environment, without it.
-    (Checked: with spawn, session 14, the variable was there.) The mechanism itself:
+    (With spawn the variable is there.) The mechanism itself:
     test_compat.py::test_engine_core_by_fork_makes_vllm_fork_only_inside_it."""
     server = psutil.Process(iso.pid)
     cores = [p for p in server.children() if "EngineCore" in " ".join(p.cmdline())]
@@ -289,7 +289,7 @@ def test_keyboard_interrupt_mid_request_leaves_the_engine_usable(iso):
 
 def test_an_error_reply_then_a_call_at_once_finds_the_engine_alive(iso):
     # A request the server cannot handle (here a malformed body) gets a 500 and the server may close
-    # the kept-alive connection; the next call must not read that as the engine dying (issue 15, 2).
+    # the kept-alive connection; the next call must not read that as the engine dying.
     with pytest.raises(ConnectionError, match="500"):
         iso._connection().request("POST", "/v1/nnvllm/unembed", json={})
     for _ in range(3):
@@ -298,7 +298,7 @@ def test_an_error_reply_then_a_call_at_once_finds_the_engine_alive(iso):
 
 
 def test_a_calls_prompts_run_as_one_batch(iso, monkeypatch):
-    """The server holds vLLM's scheduler while a call's requests go in (``server._start_together``):
+    """The server holds vLLM's scheduler while a call's requests go in (``routes._start_together``):
     64 prompts run as one batch, one engine step per token, as in-process. Before, AsyncLLM's
     requests trickled into the first steps (here 33 steps and 3 batches for 32 tokens; on the H200 the
     GPT-2-small shape's isolated capture took 1.44x in-process). The engine records both counts.
@@ -493,7 +493,7 @@ def test_a_killed_engine_raises_engine_died_and_restart_brings_it_back(iso):
     old = iso._server
     pids = [p.pid for p in old.members()]
     os.kill(iso.pid, signal.SIGKILL)
-    # Its EngineCore ends on its own within seconds, before any call notices (issue 15, item 9).
+    # Its EngineCore ends on its own within seconds, before any call notices.
     rest = [p for p in pids if p != iso.pid]
     deadline = time.time() + 10
     while _alive(rest) and time.time() < deadline:

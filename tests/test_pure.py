@@ -420,7 +420,7 @@ def test_plot_lens():
     assert [t.get_text() for t in ticks] == lens.labels
     assert ticks[4].get_color() != ticks[3].get_color()
 
-    # Sized to the data (issue 14, item 5): 40 positions get ~0.45 in each, not matplotlib's 6.4 in.
+    # Sized to the data: 40 positions get ~0.45 in each, not matplotlib's 6.4 in.
     big = Lens.from_run(make_run(prompt_len=4, steps=37), 0, make_unembed(), k=2, tokenizer=CharTokenizer())
     ax40 = plot_lens(big)
     assert ax40.images[0].get_array().shape[1] == 40 and ax40.figure.get_figwidth() >= 0.4 * 40
@@ -444,7 +444,7 @@ def test_plot_patch():
 
 
 def test_plot_patch_uses_one_fixed_scale():
-    """Two sweeps with different largest effects share the -1..1 scale (issue 14, item 4)."""
+    """Two sweeps with different largest effects share the -1..1 scale, so their plots compare."""
     import dataclasses
 
     res = make_patch()
@@ -609,7 +609,7 @@ def test_pure_modules_import_no_engine():
 
 
 def test_import_nnvllm_loads_no_engine():
-    """`import nnvllm` imports neither vLLM, nnsight, transformers nor ipywidgets (issue 13, item 7)."""
+    """`import nnvllm` imports neither vLLM, nnsight, transformers nor ipywidgets."""
     import subprocess
     import sys
 
@@ -653,8 +653,9 @@ def test_a_fixed_gpu_share_for_engines_from_the_environment(monkeypatch):
 
 
 def test_names_with_mathtext_characters_plot_and_tables_read_right():
-    # Issue 14, items 6-7: "$" in a name started matplotlib's mathtext (a ParseException on "^");
-    # the per-position cosine table printed 1.000000000 everywhere and NaN for shorter requests.
+    # "$" in a name must not start matplotlib's mathtext (a ParseException on "^"); the per-position
+    # cosine table shows 1 - cosine (a cosine near 1 prints as 1.000000000 everywhere) and n/a, not
+    # NaN, where a request is shorter.
     import matplotlib.pyplot as plt
 
     from nnvllm.views import per_position, position_table_html
@@ -673,7 +674,7 @@ def test_names_with_mathtext_characters_plot_and_tables_read_right():
 
 
 def test_run_plot_labels_tokens_with_the_runs_tokenizer():
-    # Issue 14, item 8: a Run has plot(); without tokenizer= the run's own tokenizer labels the bars.
+    # A Run has plot(); without tokenizer= the run's own tokenizer labels the bars.
     run = make_run()
     ax = run.plot(1)
     assert [t.get_text() for t in ax.get_xticklabels()] == [str(t) for t in run.tokens[1]]  # none: ids
@@ -684,7 +685,7 @@ def test_run_plot_labels_tokens_with_the_runs_tokenizer():
 
 
 def test_result_classes_are_exported():
-    # Issue 13, item 5: the classes nnvllm's functions return are reachable from the package.
+    # The classes nnvllm's functions return are reachable from the package.
     import nnvllm as nv
 
     for name, module in [("Lens", "lens"), ("PatchResult", "patching"), ("Discrepancy", "compare"),
@@ -785,8 +786,8 @@ def test_register_arch_reaches_engine_processes(monkeypatch):
 
 
 def test_nnvllm_shows_no_transformers_bars(tmp_path, capsys):
-    """Issue 14, item 9: "Writing model shards" / "Loading weights" bars in cells that build or load
-    a checkpoint for the user; the user's own setting is kept."""
+    """No "Writing model shards" / "Loading weights" bars in cells that build or load a checkpoint for
+    the user; the user's own setting is kept."""
     from transformers.utils import logging as hf_logging
 
     from nnvllm.reference import load_reference
