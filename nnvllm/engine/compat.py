@@ -304,7 +304,7 @@ def engine_core_by_fork():
     (``CpuPlatform.check_and_update_config``), so the EngineCore, a fresh interpreter, imports torch,
     transformers and vLLM again: ~17 s of CPU on the 2-core box, on the path of every isolated start.
     Forked, it inherits the server's imports (toy model, TP=1, 2-core box: start 27 s instead of 46 s,
-    43 instead of 63 CPU-s; the same tokens and activations; session 14). Safe where spawn is not
+    43 instead of 63 CPU-s; the same tokens and activations). Safe where spawn is not
     needed: the server has run no torch operation before the start (no OpenMP pool to inherit), its
     one other thread (the parent watch) is not copied by fork, and whatever computes with OpenMP
     threads bound to cores, TP>1 workers, is still spawned (an at-fork hook puts ``spawn`` back in the
@@ -352,7 +352,7 @@ def shorter_busy_loop(seconds: float = CPU_BUSY_LOOP_S) -> None:
     through these queues; a reader spins (``sched_yield``) for ``busy_loop_s`` after every read before it
     sleeps on a socket (``SpinCondition``), which on a GPU machine costs idle CPU cores. On a CPU engine
     the spinning readers take the cores the ranks compute on: the TP=2 tests (toy in-process, tiny
-    llama isolated, 2-core box, session 14) took 268 CPU-s in 178 s with 1 s, 219 CPU-s in 157 s with
+    llama isolated, 2-core box) took 268 CPU-s in 178 s with 1 s, 219 CPU-s in 157 s with
     0.1 s (225 CPU-s in 253 s with 0: every read then waits on the socket). Touches
     ``vllm.distributed.device_communicators.shm_broadcast.SpinCondition``.
     """

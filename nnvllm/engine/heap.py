@@ -36,7 +36,7 @@ def _start_collections(mode: str):
     ``gc.collect()`` after every weight load and KV-cache profile and before it freezes the heap
     (``base_loader.load_model``, ``_cleanup_profiling_kv_cache``, ``gc_utils.freeze_gc_heap``) where
     its EngineCore runs: 17 full passes, ~6 s of a ~20 s first start of the toy engine on the 2-core
-    CPU box (session 15). Here automatic collection is off for the start, and where the EngineCore
+    CPU box. Here automatic collection is off for the start, and where the EngineCore
     runs in this process (``_core_in_this_process``: the CPU at TP=1 and in-process TP>1) each of
     vLLM's full collections freezes what survives it (``gc.freeze``), so the next one walks only what
     the start made since: the same garbage is freed (what the start makes and drops, vLLM's reason
@@ -95,7 +95,7 @@ def _collections_deferred(core_here: bool = True):
     heap (``EngineCore.shutdown`` unfreezes the heap, then ``cleanup_dist_env_and_memory`` and the
     model runner's KV-cache cleanup collect), while the engine is still referenced from the closing
     call, so those passes cannot free it: ~0.75 s each on the 2-core box, close 2.5 s instead of
-    ~1 s (session 14). Elsewhere (``core_here=False``) nothing changes.
+    ~1 s. Elsewhere (``core_here=False``) nothing changes.
     """
     if not core_here:
         yield

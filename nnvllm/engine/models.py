@@ -139,7 +139,7 @@ def _cpu_environment(tp: int) -> None:
     # The engine core in this process: at TP=1 the worker runs in it too (~3 s start instead of ~17 s,
     # one process, no __main__ guard needed); at TP>1 the workers are vLLM's processes either way and
     # this saves the EngineCore process between them (toy model, TP=2, 2-core box: start 38 s instead
-    # of 54 s, 78 instead of 95 CPU-s, session 14). (An AsyncLLM, as in the isolated server, keeps its
+    # of 54 s, 78 instead of 95 CPU-s). (An AsyncLLM, as in the isolated server, keeps its
     # EngineCore process either way; at TP=1 this makes vLLM run the worker inside EngineCore instead
     # of a third process: measured 27 s start and 1.6 GB instead of 41 s and 2.3 GB.)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -85,7 +85,7 @@ async def _start_together(engine, ids: list[str], tasks: list, start) -> None:
     AsyncLLM sends requests to the engine core one by one, and the core steps as soon as the first
     arrives: the rest trickled into later steps, each a mixed prefill-and-decode step run without
     CUDA graphs (64 prompts: 33 steps and 3 batches instead of 32 and 1 on the CPU box; on the H200
-    the GPT-2-small shape's isolated capture took 1.44x in-process, lane I). vLLM's pause ("keep":
+    the GPT-2-small shape's isolated capture took 1.44x in-process). vLLM's pause ("keep":
     new requests queue, nothing steps) goes out before the first request and the resume after the
     last, over the one socket the core reads in order. Neither reply is waited for: a pause sent
     while other requests run (an nnsight trace) replies only once the engine is idle.
