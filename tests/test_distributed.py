@@ -344,39 +344,52 @@ def _free_port() -> int:
 def ray_cluster(tmp_path_factory):
     """A Ray cluster of this machine alone, on loopback, 2 CPUs; ended after the module.
 
-    Ray's raylet waits a fixed 15 s for its dashboard agent to report the port it listens on, and
-    aborts the node if it has not ("Timed out waiting for file .../dashboard_agent_listen_port_...").
-    On the 2-core box busy with other test processes the agent took 30-40 s to import and start, so
-    ``ray.init()`` failed there (3 starts out of 3). The raylet does not wait for a port it is given:
-    here every agent port is chosen up front and handed to both the agent and the raylet (the
-    raylet's ``--dashboard_agent_listen_port`` flag, which ``ray.init`` does not pass), and the node
-    starts in ~25 s however slow the agent is.
+    Two things ``ray.init()`` does not do here. Loopback: Ray connects to a local cluster through
+    the machine's network address unless it is told there is no cluster beyond this machine
+    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, in this process and the cluster's). The agent's port:
+    Ray's raylet waits a fixed 15 s for its dashboard agent to report the port it listens on and
+    aborts the node if it has not ("Timed out waiting for file .../dashboard_agent_listen_port_...");
+    on the 2-core box busy with other test processes the agent took 30-40 s to import and start,
+    and ``ray.init()`` failed 3 times out of 3. The raylet does not wait for a port it is given:
+    every agent port is chosen up front and handed to the agent and to the raylet (its
+    ``--dashboard_agent_listen_port`` flag, which Ray's launcher does not pass).
     """
     ray = pytest.importorskip("ray")
-    import ray._private.node as ray_node
-    import ray._private.parameter as ray_parameter
-    import ray._private.services as ray_services
+    from ray._private import node as ray_node
+    from ray._private import parameter as ray_parameter
+    from ray._private import ray_constants
+    from ray._private import services as ray_services
 
+    saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
     listen = _free_port()
     wrapper = tmp_path_factory.mktemp("ray") / "raylet"
-    wrapper.write_text(f'#!/bin/sh\nexec {ray_services.RAYLET_EXECUTABLE} "$@" --dashboard_agent_listen_port={listen}\n')
+    wrapper.write_text(f'#!/bin/sh\nexec {ray_services.RAYLET_EXECUTABLE} "$@" '
+                       f'--dashboard_agent_listen_port={listen}\n')
     wrapper.chmod(0o755)
     real = ray_services.RAYLET_EXECUTABLE
     ray_services.RAYLET_EXECUTABLE = str(wrapper)
+    node = None
     try:
         params = ray_parameter.RayParams(
             num_cpus=2, include_dashboard=False, node_ip_address="127.0.0.1", metrics_agent_port=_free_port(),
-            dashboard_agent_listen_port=listen, runtime_env_agent_port=_free_port(), metrics_export_port=_free_port(),
-            env_vars={"OMP_WAIT_POLICY": "PASSIVE"})
+            dashboard_agent_listen_port=listen, runtime_env_agent_port=_free_port(),
+            metrics_export_port=_free_port(), env_vars={"OMP_WAIT_POLICY": "PASSIVE"})
         node = ray_node.Node(params, head=True, shutdown_at_exit=True, spawn_reaper=True)
-    finally:
         ray_services.RAYLET_EXECUTABLE = real
-    ray.init(address=node.address, _node_ip_address="127.0.0.1", log_to_driver=False)
-    try:
+        ray.init(address=node.address, log_to_driver=False)
         yield ray
     finally:
+        ray_services.RAYLET_EXECUTABLE = real
         ray.shutdown()
-        node.kill_all_processes(check_alive=False, allow_graceful=True)
+        if node is not None:
+            node.kill_all_processes(check_alive=False, allow_graceful=True)
+        if saved[0] is None:
+            os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+        else:
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved[0]
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
 
 
 @pytest.mark.slow
