@@ -224,7 +224,7 @@ def test_saved_sae_reads_back_in_sae_lens_and_here(tmp_path):
                                                        for a, c in ARCHS])
 def test_stacked_saes_encode_as_each_does(tmp_path, arch, cfg):
     """stack() of SAEs of one kind: row g of a batched encode is SAE g's own encode (the engine's group)."""
-    from nnvllm.sae import stack
+    from nnvllm.sae_group import stack
 
     saes = []
     for seed in range(3):

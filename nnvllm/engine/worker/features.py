@@ -2,7 +2,7 @@
 
 A capture with ``saes`` (:func:`nnvllm.generate`) arms one :class:`_Features`. After each forward the
 taps hold every block's value of each site for the step's rows (a static buffer a replayed CUDA graph
-refilled, or the buffer an eager hook wrote). SAEs of one kind (:func:`nnvllm.sae.stack_key`: the
+refilled, or the buffer an eager hook wrote). SAEs of one kind (:func:`nnvllm.sae_group.stack_key`: the
 usual case, one SAE per layer of a release) run as one group: their layers' rows are gathered into
 ``[G, tokens, d_in]`` and encoded by one batched matmul, so the Python and kernel launches per step do
 not grow with the number of SAEs. Per row the group keeps the top-``k`` feature ids (int32) and
@@ -42,7 +42,7 @@ class _Group:
 
     def __init__(self, members: list[int], sae: Any, site: str, layers: list[int], k: int | None, device) -> None:
         self.members = members  # indices into the call's SAE list
-        self.sae = sae  # stacked (nnvllm.sae.stack)
+        self.sae = sae  # stacked (nnvllm.sae_group.stack)
         self.site = site
         self.layers = torch.tensor(layers, dtype=torch.long, device=device)
         self.k = k
@@ -59,7 +59,8 @@ class _Features:
             self._build(device)
 
     def _build(self, device) -> None:
-        from ...sae import SAE, stack, stack_key
+        from ...sae import SAE
+        from ...sae_group import stack, stack_key
 
         keys = [_member_key(s, device) for s in self.specs]
         loaded: dict[int, Any] = {}
