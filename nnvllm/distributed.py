@@ -200,9 +200,12 @@ def fan_out(models: list, prompts: list, *, index: dict, todo: list[int], out: P
         running[fut] = (slot, ids, name)
 
     def assign() -> None:
-        for slot in list(alive):
-            while error is None and queue and sum(1 for s, _, _ in running.values() if s is slot) < DEPTH:
-                start(slot, queue.popleft())
+        # Round by round (each engine's first chunk, then its second): with fewer chunks than
+        # DEPTH x engines, every engine still gets one.
+        for depth in range(DEPTH):
+            for slot in list(alive):
+                if error is None and queue and sum(1 for s, _, _ in running.values() if s is slot) <= depth:
+                    start(slot, queue.popleft())
 
     def finish(fut: concurrent.futures.Future) -> None:
         nonlocal error

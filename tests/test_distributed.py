@@ -96,6 +96,12 @@ def test_fanned_out_equals_one_engine(tmp_path, engines):
         ["index.json", *(e["file"] for e in index["shards"])])
 
 
+def test_few_chunks_go_one_to_each_engine(tmp_path, engines):
+    """Two chunks for three engines: two engines get one each (not one engine both)."""
+    store.collect(engines, PROMPTS, tmp_path / "ds", max_tokens=3, batch_size=6, progress=False)
+    assert sorted(len(e.calls) for e in engines) == [0, 1, 1]
+
+
 def test_a_seed_draws_by_global_index_whichever_engine(tmp_path, engines, monkeypatch):
     """Each chunk asks for request_seed(seed, i) with i the prompt's index in the whole list."""
     from nnvllm._validate import request_seed
