@@ -196,7 +196,9 @@ def fan_out(models: list, prompts: list, *, index: dict, todo: list[int], out: P
         nonlocal next_shard
         name = f"shard-{next_shard:05d}.safetensors"  # each chunk (and each retry) its own file
         next_shard += 1
-        fut = slot.submit([prompts[i] for i in ids], kwargs_for(ids), str(out / name), ids, policy, fsync)
+        # An absolute path: a Ray actor's working directory is not this process's.
+        fut = slot.submit([prompts[i] for i in ids], kwargs_for(ids), str(out.absolute() / name), ids, policy,
+                          fsync)
         running[fut] = (slot, ids, name)
 
     def assign() -> None:

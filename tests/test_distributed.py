@@ -381,7 +381,8 @@ def ray_cluster(tmp_path_factory):
         params = ray_parameter.RayParams(
             num_cpus=2, include_dashboard=False, node_ip_address="127.0.0.1", metrics_agent_port=_free_port(),
             dashboard_agent_listen_port=listen, runtime_env_agent_port=_free_port(),
-            metrics_export_port=_free_port(), env_vars={"OMP_WAIT_POLICY": "PASSIVE"})
+            metrics_export_port=_free_port(), env_vars={"OMP_WAIT_POLICY": "PASSIVE"},
+            object_store_memory=128 * 2**20)  # chunks' index entries only: Ray's default reserves 30% of RAM
         node = ray_node.Node(params, head=True, shutdown_at_exit=True, spawn_reaper=True)
         ray_services.RAYLET_EXECUTABLE = real
         ray.init(address=node.address, log_to_driver=False)
