@@ -168,11 +168,12 @@ class PatchResult:
             frame.insert(3, "role", np.tile(np.asarray(self.roles, dtype=object), n_layer))
         return frame
 
-    def plot(self, ax=None, vmin: float | None = None, vmax: float | None = None):
-        """Draw the effect as a layer × position heatmap; see :func:`nnvllm.plotting.plot_patch`."""
+    def plot(self, ax=None, vmin: float | None = None, vmax: float | None = None, *, positions="all"):
+        """Draw the effect as a layer × position heatmap; see :func:`nnvllm.plotting.plot_patch`
+        (``positions="content"`` leaves a conversation's template positions out)."""
         from .plotting import plot_patch
 
-        return plot_patch(self, ax=ax, vmin=vmin, vmax=vmax)
+        return plot_patch(self, ax=ax, vmin=vmin, vmax=vmax, positions=positions)
 
     def best(self) -> tuple[int, int, float]:
         """Return ``(layer, pos, effect)`` of the patch with the largest effect (block index, position)."""

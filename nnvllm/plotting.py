@@ -6,6 +6,11 @@ pyplot is imported inside the functions, so importing this module selects no bac
 
 Tokens are labelled so that whitespace shows: a space is ``␣`` (" is" reads ``␣is``), a newline
 ``↵``, a tab ``⇥``; other control characters are escaped (``\\x00``).
+
+A conversation's positions carry labels (:attr:`nnvllm.Run.roles`): the lens and patching heatmaps
+hatch the chat template's columns, grey its tick labels and name each system, user and assistant
+span above the Axes (:func:`mark_roles`); ``positions="content"`` (or a role) draws only those
+positions, a dotted line where hidden ones were. A plain prompt's plot has no such marks.
 """
 
 from __future__ import annotations
@@ -14,9 +19,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["lens_figsize", "log_metric", "plot_compare", "plot_lens", "plot_patch", "plot_samples", "show_token"]
+__all__ = ["ROLE_COLORS", "lens_figsize", "log_metric", "mark_roles", "plot_compare", "plot_lens", "plot_patch",
+           "plot_samples", "role_spans", "show_token", "shows_roles", "title_pad"]
 
 _GENERATED_COLOR = "tab:red"
+_TEMPLATE = "template"  # nnvllm.chat.TEMPLATE; the string, so that drawing imports nothing to read it
+#: The colour a role's span is named in; other roles (``"tool"``) are grey, the template hatched.
+ROLE_COLORS = {"system": "tab:purple", "user": "tab:green", "assistant": _GENERATED_COLOR}
+_TITLE_PAD = 22.0  # points above the Axes: room for the role names under the title
 _VISIBLE = {" ": "␣", "\n": "↵", "\t": "⇥"}
 #: Font sizes (points) a lens cell label may take, largest first; below the last it wraps, then is cut.
 CELL_FONT_SIZES = (8.0, 7.5, 7.0, 6.5)
@@ -45,7 +55,107 @@ def _name(text: str, width: int = 40) -> str:
     return text.replace("$", r"\$")
 
 
-def plot_lens(lens, ax=None, *, annotate: bool = True, max_positions: int = 40):
+def role_spans(roles, where=None) -> list[tuple[int, int, str]]:
+    """Runs of one label: ``(first, last, role)`` column indices, a run broken where ``where`` (each
+    column's position in the request) skips positions.
+
+    Example::
+
+        role_spans(["template", "user", "user"])        # [(0, 0, 'template'), (1, 2, 'user')]
+    """
+    out: list[tuple[int, int, str]] = []
+    for c, r in enumerate(roles):
+        if out and out[-1][2] == r and (where is None or where[c] == where[c - 1] + 1):
+            out[-1] = (out[-1][0], c, r)
+        else:
+            out.append((c, c, r))
+    return out
+
+
+def shows_roles(roles) -> bool:
+    """Whether labels are worth marking: a conversation's (template or system positions), not a plain
+    prompt's (all ``"user"``, its generated tokens ``"assistant"``), whose plot stays as it always was."""
+    return roles is not None and any(r not in ("user", "assistant") for r in roles)
+
+
+def mark_roles(ax, roles, xs=None, where=None) -> bool:
+    """Mark a conversation's labels on a plot whose x axis is positions: the chat template's columns
+    hatched (patches with gid ``"nnvllm-template"``) and their tick labels grey, each other role's span
+    named above the Axes in its :data:`ROLE_COLORS` colour (texts with gid ``"nnvllm-role"``).
+
+    Args:
+        ax: the Axes; its x ticks, if set, are the columns in order.
+        roles: one label per column (:attr:`nnvllm.Run.roles`).
+        xs: each column's x coordinate (default ``0..n-1``: a heatmap's columns).
+        where: each column's position in the request; a span breaks where positions were skipped.
+
+    Returns:
+        Whether anything was drawn: nothing for a plain prompt's labels (all user or assistant).
+
+    Example::
+
+        mark_roles(ax, lens.roles)
+    """
+    if not shows_roles(roles):
+        return False
+    from matplotlib.patches import Rectangle
+    from matplotlib.transforms import blended_transform_factory
+
+    xs = list(range(len(roles))) if xs is None else [float(x) for x in xs]
+    top = blended_transform_factory(ax.transData, ax.transAxes)  # x in data, y in the Axes' 0..1
+    for a, b, role in role_spans(roles, where):
+        lo, hi = xs[a] - 0.5, xs[b] + 0.5
+        if role == _TEMPLATE:
+            ax.add_patch(Rectangle((lo, 0.0), hi - lo, 1.0, transform=top, facecolor="white", alpha=0.6,
+                                   hatch="///", edgecolor="0.45", linewidth=0.0, zorder=2, gid="nnvllm-template"))
+            continue
+        color = ROLE_COLORS.get(role, "0.4")
+        ax.add_patch(Rectangle((lo + 0.08, 1.012), hi - lo - 0.16, 0.018, transform=top, facecolor=color,
+                               linewidth=0.0, clip_on=False, gid="nnvllm-role-span"))
+        ax.text((xs[a] + xs[b]) / 2, 1.04, role, transform=top, ha="center", va="bottom", fontsize=8,
+                color=color, clip_on=False, gid="nnvllm-role")
+    ticks = ax.get_xticklabels()
+    if len(ticks) == len(roles):
+        for tick, role in zip(ticks, roles):
+            if role == _TEMPLATE:
+                tick.set_color("0.5")
+    return True
+
+
+def title_pad(ax) -> float | None:
+    """The title's padding (points) for an Axes with role names above it, else None (matplotlib's own)."""
+    return _TITLE_PAD if any(t.get_gid() == "nnvllm-role" for t in ax.texts) else None
+
+
+def _mark_gaps(ax, where) -> None:
+    """A dotted line between two columns whose positions are not neighbours (hidden positions there)."""
+    for c in range(1, len(where)):
+        if where[c] != where[c - 1] + 1:
+            ax.axvline(c - 0.5, color="0.5", linestyle=":", linewidth=1.0, gid="nnvllm-gap")
+
+
+def _selected(roles, positions, kept: list[int], what: str) -> list[int]:
+    """Column indices of ``positions``: ``"all"``, ``"content"``, a role or a list of roles (read from
+    ``roles``), or a list of the positions in ``kept`` (each column's position)."""
+    from .chat import select_positions
+
+    if isinstance(positions, str) and positions == "all":
+        return list(range(len(kept)))
+    by_role = isinstance(positions, str) or (isinstance(positions, (list, tuple)) and positions
+                                              and all(isinstance(p, str) for p in positions))
+    if by_role:
+        if roles is None:
+            raise ValueError(f"positions={positions!r} selects by role, and this {what} has no roles; pass "
+                             f"positions='all' or a list of its positions {kept}")
+        return select_positions(roles, positions) or list(range(len(kept)))
+    if isinstance(positions, (list, tuple, range)) and positions and all(
+            isinstance(p, int) and not isinstance(p, bool) and p in kept for p in positions):
+        return sorted({kept.index(p) for p in positions})
+    raise ValueError(f"positions={positions!r}: expected 'all', 'content' (without the chat template), a role "
+                     f"such as 'user', a list of roles, or a list of this {what}'s positions {kept}")
+
+
+def plot_lens(lens, ax=None, *, annotate: bool = True, max_positions: int = 40, positions="all"):
     """Draw a logit lens: top-1 probability per layer (y) × position (x), cells labelled by token.
 
     Generated positions (``p >= prompt_len``) sit right of a dashed line and have red tick
@@ -53,12 +163,18 @@ def plot_lens(lens, ax=None, *, annotate: bool = True, max_positions: int = 40):
     fitted inside its cell: 8 pt where it fits, smaller down to 6.5 pt, then on two lines, and cut
     with ``…`` only when even that does not fit (give the figure more width per position).
 
+    A conversation's lens (``lens.roles``) hatches the chat template's columns and names the system,
+    user and assistant spans above the heatmap (:func:`mark_roles`).
+
     Args:
         lens: a :class:`nnvllm.lens.Lens`.
         ax: Axes to draw on; a new figure when None (sized to the data: ~0.6 in per position).
         annotate: write the top-1 token text in each cell.
         max_positions: show at most this many positions (the last ones, where the prediction
             and the generated tokens are).
+        positions: ``"all"``, or the positions to draw as :meth:`nnvllm.Lens.select` takes them:
+            ``"content"`` (without the chat template's), a role such as ``"user"``, a list of roles,
+            or a list of position indices. Hidden positions leave a dotted line.
 
     Returns:
         The Axes.
@@ -66,11 +182,14 @@ def plot_lens(lens, ax=None, *, annotate: bool = True, max_positions: int = 40):
     Example::
 
         plot_lens(lens, max_positions=20)
+        plot_lens(lens, positions="content")   # a conversation without its template tokens
     """
     import matplotlib.pyplot as plt
 
     if isinstance(max_positions, bool) or not isinstance(max_positions, int) or max_positions < 1:
         raise ValueError(f"max_positions={max_positions!r} must be a positive int, e.g. 40.") from None
+    if not (isinstance(positions, str) and positions == "all"):
+        lens = lens.select(positions)
     n_layer, n_pos, _ = lens.top_ids.shape
     start = max(0, n_pos - max_positions)
     n_shown = n_pos - start
@@ -94,6 +213,11 @@ def plot_lens(lens, ax=None, *, annotate: bool = True, max_positions: int = 40):
     ax.set_yticklabels([str(layer) for layer in lens.layers])
     if start < lens.prompt_len < n_pos:
         ax.axvline(lens.prompt_len - start - 0.5, color=_GENERATED_COLOR, linestyle="--", linewidth=1)
+    where = list(lens.positions)[start:] if lens.positions is not None else None
+    if where is not None:
+        _mark_gaps(ax, where)
+    roles = lens.roles[start:] if lens.roles is not None else None
+    marked = mark_roles(ax, roles, where=where)
 
     if annotate:
         fit = _CellFit(ax, n_cols=n_shown, n_rows=n_layer)
@@ -103,9 +227,10 @@ def plot_lens(lens, ax=None, *, annotate: bool = True, max_positions: int = 40):
                 ax.text(c, j, text, ha="center", va="center", fontsize=size, linespacing=1.0,
                         color="white" if probs[j, c] > 0.5 else "black")
 
-    ax.set_xlabel("position (input token)" + (f", last {len(shown)} of {n_pos}" if start else ""))
+    ax.set_xlabel("position (input token)" + (f", last {len(shown)} of {n_pos}" if start else "")
+                  + ("; hatched: chat template" if marked and _TEMPLATE in roles else ""))
     ax.set_ylabel("layer")
-    ax.set_title("logit lens: top-1 token and probability")
+    ax.set_title("logit lens: top-1 token and probability", pad=title_pad(ax))
     return ax
 
 
@@ -165,47 +290,57 @@ class _CellFit:
         return out
 
 
-def plot_patch(res, ax=None, vmin: float | None = None, vmax: float | None = None):
+def plot_patch(res, ax=None, vmin: float | None = None, vmax: float | None = None, *, positions="all"):
     """Draw a patching sweep: normalized effect per layer (y) × position (x), centred at 0.
 
     The colour scale is fixed and symmetric, -1..1 (1 = the clean answer fully restored), widened
     only when an effect goes past it, so that two plots read alike: an effect of 0.33 is a third as
-    dark as a full restoration, whatever else is in the plot.
+    dark as a full restoration, whatever else is in the plot. A sweep over a conversation
+    (``res.roles``) hatches the chat template's columns and names the role spans (:func:`mark_roles`).
 
     Args:
         res: a :class:`nnvllm.patching.PatchResult`.
         ax: Axes to draw on; a new figure when None.
         vmin, vmax: the colour range, to override the fixed one.
+        positions: ``"all"`` the swept positions, or some of them: ``"content"`` (without the chat
+            template's), a role such as ``"user"``, a list of roles, or a list of swept positions.
+            The colour range is the whole sweep's either way.
 
     Returns:
         The Axes.
 
     Example::
 
-        plot_patch(res)
+        plot_patch(res, positions="user")
     """
     import matplotlib.pyplot as plt
 
-    ax = _axes(ax, plt)
+    cols = _selected(res.roles, positions, list(res.positions), "patching result")
     effect = res.effect.detach().double().cpu().numpy()
     finite = np.abs(effect[np.isfinite(effect)])
     lim = max(float(finite.max()) if finite.size else 1.0, 1.0)
     vmin = -lim if vmin is None else vmin
     vmax = lim if vmax is None else vmax
+    effect = effect[:, cols]
+    where = [res.positions[c] for c in cols]
+    labels = [res.labels[c] for c in cols]
+    ax = _axes(ax, plt)
     im = ax.imshow(
         effect, aspect="auto", origin="lower", cmap="RdBu_r", vmin=vmin, vmax=vmax, interpolation="nearest"
     )
     ax.figure.colorbar(im, ax=ax, label="normalized effect (1 = clean restored)")
-    ax.set_xticks(range(len(res.positions)))
-    ax.set_xticklabels(
-        [f"{show_token(lab, 14)} ({p})" for lab, p in zip(res.labels, res.positions)], rotation=90, fontsize=8
-    )
+    ax.set_xticks(range(len(cols)))
+    ax.set_xticklabels([f"{show_token(lab, 14)} ({p})" for lab, p in zip(labels, where)], rotation=90, fontsize=8)
     ax.set_yticks(range(len(res.layers)))
     ax.set_yticklabels([str(layer) for layer in res.layers])
-    ax.set_xlabel("position (clean token)")
+    _mark_gaps(ax, where)
+    roles = None if res.roles is None else [res.roles[c] for c in cols]
+    marked = mark_roles(ax, roles, where=where)
+    ax.set_xlabel("position (clean token)" + ("; hatched: chat template" if marked and _TEMPLATE in roles else ""))
     ax.set_ylabel("layer")
     step = f", step {res.step}" if res.step else ""
-    ax.set_title(f"patching {res.site}: {res.answer!r} vs {res.wrong!r}{step}".replace("$", r"\$"))
+    title = f"patching {res.site}: {res.answer!r} vs {res.wrong!r}{step}".replace("$", r"\$")
+    ax.set_title(title, pad=title_pad(ax))
     return ax
 
 

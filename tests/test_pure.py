@@ -22,7 +22,17 @@ from torch import Tensor
 from nnvllm.compare import Discrepancy, compare
 from nnvllm.lens import Lens, Norm, Unembed, apply_norm, lens_prob_of, lens_topk, project
 from nnvllm.patching import PatchResult, logit_diff, normalized_effect, plan
-from nnvllm.plotting import lens_figsize, log_metric, plot_compare, plot_lens, plot_patch, plot_samples, show_token
+from nnvllm.plotting import (
+    lens_figsize,
+    log_metric,
+    plot_compare,
+    plot_lens,
+    plot_patch,
+    plot_samples,
+    role_spans,
+    show_token,
+    title_pad,
+)
 from nnvllm.results import Run, Samples
 
 D_MODEL, D_VOCAB = 8, 13
@@ -470,6 +480,101 @@ def test_plot_compare():
     data = [ln for ln in ax_same.lines if ln.get_transform() == ax_same.transData]
     assert len(data) == 3 and all(np.isnan(ln.get_ydata()).all() for ln in data)
     assert any(t.get_text() == "exact" for t in ax_same.texts)
+
+
+# A conversation's positions: template, a system message, template, a user message, the template's
+# generation prompt, then two generated (assistant) positions.
+CHAT_ROLES = ["template", "system", "system", "template", "user", "user", "user", "template", "assistant", "assistant"]
+
+
+def chat_lens(roles=CHAT_ROLES) -> Lens:
+    run = make_run(n_req=1, prompt_len=8, steps=3)
+    run.roles = [list(roles)] if roles is not None else []
+    return Lens.from_run(run, 0, make_unembed(), k=2, tokenizer=CharTokenizer())
+
+
+def _marks(ax) -> tuple[list[tuple[float, float]], list[tuple[str, float]], list[float]]:
+    """What the role marks drew: hatched column ranges, the role names and their x, the gap lines' x."""
+    hatched = [(round(p.get_x(), 6), round(p.get_x() + p.get_width(), 6)) for p in ax.patches
+               if p.get_gid() == "nnvllm-template"]
+    names = [(t.get_text(), float(t.get_position()[0])) for t in ax.texts if t.get_gid() == "nnvllm-role"]
+    gaps = [float(ln.get_xdata()[0]) for ln in ax.lines if ln.get_gid() == "nnvllm-gap"]
+    return hatched, names, gaps
+
+
+def test_role_spans_break_at_a_new_label_or_a_hidden_position():
+    assert role_spans(CHAT_ROLES) == [(0, 0, "template"), (1, 2, "system"), (3, 3, "template"), (4, 6, "user"),
+                                      (7, 7, "template"), (8, 9, "assistant")]
+    assert role_spans(["user"] * 3, where=[1, 2, 5]) == [(0, 1, "user"), (2, 2, "user")]
+    assert role_spans([]) == []
+
+
+def test_plot_lens_hatches_the_template_and_names_each_role():
+    lens = chat_lens()
+    ax = plot_lens(lens)
+    hatched, names, gaps = _marks(ax)
+    assert hatched == [(-0.5, 0.5), (2.5, 3.5), (6.5, 7.5)]  # the template's three columns
+    assert names == [("system", 1.5), ("user", 5.0), ("assistant", 8.5)] and gaps == []
+    ticks = ax.get_xticklabels()
+    assert [t.get_color() for t in ticks[:2]] == ["0.5", "black"]  # template tick grey, the system's not
+    assert ticks[8].get_color() == "tab:red"  # generated positions keep their colour
+    assert ax.get_xlabel().endswith("hatched: chat template") and title_pad(ax) > 6
+    assert len(ax.texts) == 3 * 10 + 3  # the cells' tokens and the three role names
+
+    # positions="content" draws the messages' positions only (Lens.select), a dotted line where the
+    # template's were; the prompt/generated boundary stays where it belongs.
+    ax = lens.plot(positions="content")
+    keep = [p for p, r in enumerate(CHAT_ROLES) if r != "template"]
+    assert ax.images[0].get_array().shape == (3, len(keep))
+    assert [t.get_text() for t in ax.get_xticklabels()] == [show_token(lens.labels[p]) for p in keep]
+    hatched, names, gaps = _marks(ax)
+    assert hatched == [] and gaps == [1.5, 4.5]  # 2 -> 4 and 6 -> 8 skip a template position
+    assert [n for n, _ in names] == ["system", "user", "assistant"]
+    assert sum(ln.get_color() == "tab:red" for ln in ax.lines) == 1  # the boundary, between 6 and 8
+    assert ax.images[0].get_array()[0, 2] == pytest.approx(float(lens.top_probs[0, 4, 0]))
+
+    # One role only: the columns are that role's, nothing to name.
+    ax = plot_lens(lens, positions="user")
+    assert ax.images[0].get_array().shape == (3, 3) and _marks(ax)[:2] == ([], [])
+    # The last positions only (max_positions): the marks follow the columns shown.
+    hatched, names, _ = _marks(plot_lens(lens, max_positions=4))
+    assert hatched == [(0.5, 1.5)] and names == [("user", 0.0), ("assistant", 2.5)]
+
+
+def test_plot_lens_of_a_plain_prompt_has_no_role_marks():
+    for roles in (None, ["user"] * 8 + ["assistant"] * 2):
+        lens = chat_lens(roles)
+        ax = plot_lens(lens)
+        assert _marks(ax) == ([], [], []) and title_pad(ax) is None
+        assert len(ax.lines) == 1 and "hatched" not in ax.get_xlabel()
+    with pytest.raises(ValueError, match="no roles"):
+        plot_lens(chat_lens(None), positions="content")
+    with pytest.raises(ValueError, match="selects no position"):
+        plot_lens(chat_lens(["user"] * 10), positions="system")
+
+
+def test_plot_patch_marks_roles_and_draws_the_positions_asked_for():
+    effect = torch.linspace(-0.5, 1.0, 2 * 6).reshape(2, 6)
+    res = PatchResult(effect=effect, patched_diff=effect * 2, clean_diff=2.0, corrupt_diff=0.0, layers=[0, 3],
+                      positions=[0, 1, 2, 3, 4, 5], labels=list("abcdef"), site="resid", answer=" Paris",
+                      wrong=" Rome", roles=["template", "system", "template", "user", "user", "template"])
+    ax = res.plot()
+    hatched, names, gaps = _marks(ax)
+    assert hatched == [(-0.5, 0.5), (1.5, 2.5), (4.5, 5.5)] and names == [("system", 1.0), ("user", 3.5)]
+    assert gaps == [] and [t.get_color() for t in ax.get_xticklabels()][:2] == ["0.5", "black"]
+
+    ax = res.plot(positions="content")
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["b (1)", "d (3)", "e (4)"]
+    assert np.array_equal(ax.images[0].get_array(), effect[:, [1, 3, 4]].numpy())
+    assert ax.images[0].get_clim() == (-1.0, 1.0)  # the whole sweep's colour scale
+    hatched, names, gaps = _marks(ax)
+    assert hatched == [] and gaps == [0.5] and [n for n, _ in names] == ["system", "user"]
+    assert [t.get_text() for t in res.plot(positions=[4, 1]).get_xticklabels()] == ["b (1)", "e (4)"]
+    assert res.plot(positions=["user"]).images[0].get_array().shape == (2, 2)
+    with pytest.raises(ValueError, match=r"positions=\[7\].*\[0, 1, 2, 3, 4, 5\]"):
+        res.plot(positions=[7])
+    with pytest.raises(ValueError, match="no roles"):
+        make_patch().plot(positions="content")
 
 
 class WordTokenizer:
