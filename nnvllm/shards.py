@@ -9,10 +9,11 @@ A dataset is a directory (written by :func:`nnvllm.collect`, read by :class:`nnv
 
 In a shard, ``resid`` is ``[layer, total_pos, d_model]`` (the shard's requests one after another
 along ``pos``) and ``offsets`` ``[request + 1]`` says where each request starts; ``sites/<name>``
-likewise. Per-step quantities (logits, see :func:`nnvllm.collect`'s ``logits=``) are concatenated
-along ``step`` with ``step_offsets``. ``ids`` ``[total_pos]`` holds the token id at each position
-(prompt, then the fed-back generated ids), so every activation row knows its token. Few, large,
-position-major tensors are what memory-mapping and row batches want.
+likewise, and with SAEs their features per position (:mod:`nnvllm.sae_data`). Per-step quantities
+(logits, see :func:`nnvllm.collect`'s ``logits=``) are concatenated along ``step`` with
+``step_offsets``. ``ids`` ``[total_pos]`` holds the token id at each position (prompt, then the
+fed-back generated ids), so every activation row knows its token. Few, large, position-major
+tensors are what memory-mapping and row batches want.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ def write_shard(run: Run, path: str | Path, request_ids: Sequence[int], logits_p
                 raise ValueError(f"{key}[{i}] has {t.shape[1]} positions; prompt + fed-back tokens make "
                                  f"{positions[i]}")
         tensors[key] = Pieces.cat(list(per), dim=1)
+    if run.features:  # per SAE of collect(saes=...): positions one after another, as the activations
+        from .sae_data import shard_tensors
+
+        tensors.update(shard_tensors(run, positions))
     if policy != "none":
         tensors["step_offsets"] = Pieces.of(_offsets(steps))
     if policy == "chosen":

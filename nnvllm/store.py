@@ -92,6 +92,8 @@ def collect(
     fsync: bool = False,
     chat_template: str | None = None,
     chat_template_kwargs: dict | None = None,
+    saes=None, sae_k: int = 32, sae_dense: bool = False,
+    format: str = "nnvllm", context_size: int | None = None, dtype: str | None = None,
 ) -> Dataset:
     """Generate from many prompts in chunks and write the activations to disk as they come.
 
@@ -152,6 +154,12 @@ def collect(
         memory_budget: see above.
         progress: show a ``tqdm`` bar over requests.
         chat_template, chat_template_kwargs: how conversations are rendered (:func:`nnvllm.generate`).
+        saes, sae_k, sae_dense: SAEs to encode with in the engine, as :func:`nnvllm.generate` takes them:
+            each record's ``features`` and ``sae_errors`` (:mod:`nnvllm.sae_data`), per SAE.
+        format: ``"nnvllm"`` (these shards) or ``"sae_lens"``: the activation cache sae-lens's trainer
+            reads (:mod:`nnvllm.sae_cache`: a ``datasets`` folder, rows of ``context_size`` positions,
+            a column per site and layer, in ``dtype``); it returns that ``datasets.Dataset``, in a new
+            or empty ``out``, from one engine, without resume.
         fsync: wait for each shard to reach the disk before listing it in the index. Off by
             default: an interrupted or killed ``collect`` still keeps every listed shard complete
             (files are renamed into place once written), but after a power loss or an OS crash a
@@ -205,6 +213,11 @@ def collect(
     layer_ids = _validate.layers(layers, model.n_layers)
     if sites and not layer_ids:
         raise ValueError(f"sites={list(sites)!r} needs layers (which blocks to read them at); got layers={layers!r}")
+    from . import sae_cache, sae_data
+
+    described = sae_data.check(saes, model, sae_k, sae_dense)  # [] without SAEs
+    context_size, dtype = sae_cache.check(format, context_size=context_size, dtype=dtype, saes=described, logits=policy,
+                                          several=engines is not None, layers=layer_ids, sites=sites)
     if batch_size is not None:
         batch_size = _validate.integer("batch_size", batch_size, lo=1,
                                        expected="expected an int >= 1 or None (chosen from memory_budget)")
@@ -221,6 +234,7 @@ def collect(
         "model": getattr(model, "checkpoint", None), "max_tokens": max_tokens, "layers": _layers_setting(layers),
         "sites": list(sites), "logits": policy, "temperature": temperature, "top_p": top_p, "seed": seed,
         "top_k": top_k, "ignore_eos": ignore_eos, **({"chat": chat} if chat else {}),
+        **({"saes": described} if described else {}),
     }
     # "chosen" comes from the engine (Samples.logprobs): only "full" ships the logits themselves.
     want_logits = policy == "full"
@@ -233,6 +247,7 @@ def collect(
     def request_bytes() -> int:
         n_layers = len(layer_ids)
         pb = (pos_bytes or _estimate_pos_bytes(model, n_layers, sites, value_bytes)) if n_layers else 0
+        pb += sae_data.pos_bytes(described)
         return max(1, _request_bytes(prompt_tokens=prompt_tokens, max_tokens=max_tokens, pos_bytes=pb,
                                      d_vocab=d_vocab if want_logits else 0))
 
@@ -244,6 +259,27 @@ def collect(
             f"layers and sites), and {IN_FLIGHT} chunks are in memory at once (one generated, two being "
             f"written); pass memory_budget >= {least:,} (e.g. '{-(-least // 2**20)}MiB'), or batch_size=")
 
+    def chunk_size(left: int, in_flight: int = IN_FLIGHT) -> int:
+        if batch_size is not None:
+            return batch_size
+        return _next_chunk(left, budget // (in_flight * request_bytes()), wave)
+
+    def kwargs_for(ids: list[int]) -> dict:
+        """A chunk's generate arguments: each request draws with the seed of its place in the whole
+        list, whatever the chunking (and whichever engine runs it)."""
+        seeds = None if seed is None else [seed[i] if isinstance(seed, list) else _validate.request_seed(seed, i)
+                                           for i in ids]
+        return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seeds, layers=layers,
+                    logits=want_logits, top_k=top_k, sites=sites, ignore_eos=ignore_eos,
+                    **({"saes": saes, "sae_k": sae_k, "sae_dense": sae_dense} if described else {}),
+                    **(chat if any(rendered[i] is not None for i in ids) else {}))
+
+    if format == "sae_lens":
+        def run_chunk(ids: list[int]):
+            return generate(model, [prompts[i] for i in ids], **kwargs_for(ids))
+
+        return sae_cache.write(out, len(prompts), run_chunk, chunk_size, layer_ids, sites, context_size=context_size,
+                               dtype=dtype, settings=settings, progress=progress)
     out = Path(out)
     digest = hashlib.sha256(json.dumps(prompts, ensure_ascii=False).encode()).hexdigest()
     if (out / INDEX).exists():
@@ -271,20 +307,6 @@ def collect(
 
     done = {r for s in index["shards"] for r in s["requests"]}
     todo = [i for i in range(len(prompts)) if i not in done]
-
-    def chunk_size(left: int, in_flight: int = IN_FLIGHT) -> int:
-        if batch_size is not None:
-            return batch_size
-        return _next_chunk(left, budget // (in_flight * request_bytes()), wave)
-
-    def kwargs_for(ids: list[int]) -> dict:
-        """A chunk's generate arguments: each request draws with the seed of its place in the whole
-        list, whatever the chunking (and whichever engine runs it)."""
-        seeds = None if seed is None else [seed[i] if isinstance(seed, list) else _validate.request_seed(seed, i)
-                                           for i in ids]
-        return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seeds, layers=layers,
-                    logits=want_logits, top_k=top_k, sites=sites, ignore_eos=ignore_eos,
-                    **(chat if any(rendered[i] is not None for i in ids) else {}))
 
     next_shard = 1 + max((int(m.group(1)) for e in index["shards"]
                           if (m := re.fullmatch(r"shard-(\d+)\.safetensors", e["file"]))), default=-1)
@@ -368,6 +390,8 @@ class Record:
         logits: ``[step, d_vocab]`` (policy "full"), else None.
         roles: one label per position (:attr:`nnvllm.Run.roles`), or None (a dataset written without them).
         prompt_text: the text the model read (a conversation rendered by its template), or None.
+        features, sae_errors: per SAE of ``collect(saes=...)``, as :attr:`nnvllm.Run.features` and
+            :attr:`nnvllm.Run.sae_errors` hold one request's (``[]`` without SAEs).
     """
 
     index: int
@@ -384,6 +408,8 @@ class Record:
     logits: Tensor | None = None
     roles: list[str] | None = None
     prompt_text: str | None = None
+    features: list = field(default_factory=list)
+    sae_errors: list = field(default_factory=list)
 
 
 class Dataset:
@@ -494,6 +520,10 @@ class Dataset:
                 names = {"chosen": ["logprobs"], "top_k": ["top_ids", "top_probs"], "full": ["logits"]}[policy]
                 extra = {name: f.get_slice(name)[sa:sb].clone() for name in names}
             ids = f.get_slice("ids")[a:b].clone()
+            if self.settings.get("saes"):
+                from .sae_data import read
+
+                extra["features"], extra["sae_errors"] = read(f, a, b, self.settings["saes"])
         return Record(index=j, prompt=rec["prompt"], prompt_ids=rec["prompt_ids"], tokens=rec["tokens"],
                       text=rec["text"], ids=ids, resid=acts.pop("resid", None), sites=acts, **extra,
                       roles=rec.get("roles"), prompt_text=rec.get("prompt_text"))

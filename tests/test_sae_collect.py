@@ -1,0 +1,193 @@
+"""SAE features in datasets on disk, sae-lens's activation cache, and clamping a feature while generating.
+
+``nv.collect(..., saes=[...])`` writes each request's features beside its activations and reads them
+back as ``nv.generate`` finds them; ``nv.collect(..., format="sae_lens")`` writes the cache sae-lens's
+trainer reads, read back here by sae-lens's own ``ActivationsStore``; ``nv.Edit.clamp`` sets a
+feature's activation and keeps the SAE's error, checked against the same edit made with
+transformers hooks.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import nnvllm as nv
+
+PROMPTS = ["The capital of France is", "Paris is", "The Eiffel Tower is in the city of"]
+STEPS = 3
+LAYER = 2
+D_SAE = 128
+
+
+def _sae(arch: str, layer: int = LAYER, seed: int = 0, **cfg) -> nv.SAE:
+    """A random SAE on the toy model's residual stream after block ``layer`` (d_model 64), built in
+    memory (the engine reads it from the folder it is saved to)."""
+    g = torch.Generator().manual_seed(seed)
+    d = 64
+    w_enc = torch.randn(d, D_SAE, generator=g) / d ** 0.5
+    weights = {"W_enc": w_enc, "W_dec": w_enc.T.contiguous() + 0.1 * torch.randn(D_SAE, d, generator=g) / d ** 0.5,
+               "b_enc": 0.1 * torch.randn(D_SAE, generator=g), "b_dec": 0.1 * torch.randn(d, generator=g)}
+    if arch == "jumprelu":
+        weights["threshold"] = torch.rand(D_SAE, generator=g) * 0.3
+    return nv.SAE.from_state({"architecture": arch, "d_in": d, "d_sae": D_SAE, "dtype": "float32",
+                              "metadata": {"hook_name": f"blocks.{layer}.hook_resid_post"}, **cfg}, weights)
+
+
+@pytest.fixture(scope="module")
+def saes():
+    return {"standard": _sae("standard"), "topk": _sae("topk", layer=1, seed=1, k=10),
+            "jumprelu": _sae("jumprelu", seed=2, normalize_activations="layer_norm")}
+
+
+# The residual stream is the same whatever the batch make-up of collect's chunks (on the CPU, bit for
+# bit), but an SAE encodes a whole engine step's rows in one GEMM, and a GEMM over another number of
+# rows may round fp32 one ulp apart: features of one chunk equal generate's bit for bit, chunked
+# ones within ROUNDING (on a GPU, other tilings: the looser bound).
+ROUNDING = 1e-4 if torch.cuda.is_available() else 1e-6
+STREAM = 1e-4 if torch.cuda.is_available() else 0.0  # the stream itself: bit for bit on the CPU
+
+
+def _dense(ids, values) -> torch.Tensor:
+    """``[pos, d_sae]`` of top-k features: what the ids and values say, in feature order (ties of two
+    values may come in either order; the code they make is the same)."""
+    return torch.zeros(ids.shape[0], D_SAE, dtype=values.dtype).scatter_(1, ids.long(), values)
+
+
+# ---------------------------------------------------------------- collect(saes=...)
+
+
+def test_collect_writes_the_features_generate_finds(toy, saes, tmp_path):
+    picked = [saes["standard"], saes["topk"]]
+    kw = {"max_tokens": STEPS, "ignore_eos": True, "saes": picked, "layers": None, "sae_k": 5, "progress": False}
+    run = nv.generate(toy, PROMPTS, **{k: v for k, v in kw.items() if k != "progress"})
+    one = nv.collect(toy, PROMPTS, tmp_path / "one", **kw)  # one chunk: generate's very call
+    chunked = nv.collect(toy, PROMPTS, tmp_path / "chunked", batch_size=2, **kw)
+    for ds in (one, chunked):
+        assert len(ds) == len(PROMPTS) and ds.sites == []
+        assert [d["k"] for d in ds.settings["saes"]] == [5, 5] and ds.settings["saes"][1]["architecture"] == "topk"
+        ds.verify()
+    exact = not torch.cuda.is_available()  # (on a GPU an isolated engine's first step may hold fewer prompts)
+    for i in range(len(PROMPTS)):
+        rec, part = one[i], chunked[i]
+        assert rec.tokens == part.tokens == run.tokens[i] and rec.resid is None and len(rec.features) == 2
+        for s in range(2):
+            (ids, values), (want_ids, want_values) = rec.features[s], run.features[s][i]
+            assert ids.dtype == torch.int32 and ids.shape == values.shape == (run.positions(i), 5)
+            if exact:
+                assert torch.equal(ids, want_ids) and torch.equal(values, want_values)
+                assert torch.equal(rec.sae_errors[s], run.sae_errors[s][i])
+            torch.testing.assert_close(_dense(*part.features[s]), _dense(want_ids, want_values), rtol=0,
+                                       atol=ROUNDING)
+            torch.testing.assert_close(part.sae_errors[s], run.sae_errors[s][i], rtol=0, atol=ROUNDING)
+
+    # dense codes beside the residual stream: the features are the SAE's encoding of the stored stream
+    jump = {"max_tokens": STEPS, "ignore_eos": True, "layers": [LAYER], "sae_dense": True, "progress": False}
+    dense = nv.collect(toy, PROMPTS[:2], tmp_path / "dense", saes=[saes["jumprelu"]], **jump)
+    for i in range(2):
+        rec = dense[i]
+        assert rec.features[0].shape == (rec.resid.shape[1], D_SAE)
+        torch.testing.assert_close(rec.features[0], saes["jumprelu"].encode(rec.resid[0]), rtol=1e-5, atol=1e-5)
+        assert (rec.features[0] > 0).any()
+    assert dense.settings["saes"][0]["k"] is None
+
+    # another SAE is another dataset: resuming with it is refused
+    with pytest.raises(ValueError, match="other settings.*saes"):
+        nv.collect(toy, PROMPTS[:2], tmp_path / "dense", saes=[_sae("jumprelu", seed=5)], **jump)
+    # a dataset without SAEs reads back no features
+    plain = nv.collect(toy, PROMPTS[:1], tmp_path / "plain", max_tokens=2, layers=[LAYER], progress=False)
+    assert plain[0].features == [] and plain[0].sae_errors == [] and "saes" not in plain.settings
+
+
+def test_collect_refuses_saes_that_do_not_fit(toy, saes, tmp_path):
+    with pytest.raises(ValueError, match=r"sae_k=0; expected an int in 1..128"):
+        nv.collect(toy, PROMPTS, tmp_path / "a", saes=[saes["standard"]], sae_k=0, progress=False)
+    with pytest.raises(TypeError, match="saes must be a list of nv.SAE"):
+        nv.collect(toy, PROMPTS, tmp_path / "a", saes=["folder"], progress=False)
+    assert not (tmp_path / "a").exists()  # refused before anything is written
+
+
+# ---------------------------------------------------------------- format="sae_lens"
+
+
+def test_sae_lens_cache_is_what_sae_lens_reads(toy, tmp_path):
+    """The cache holds generate's activations packed into rows of context_size positions; sae-lens's
+    ActivationsStore (from_cache_activations, no model) reads them back."""
+    pytest.importorskip("sae_lens", reason="sae-lens is in the dev extra (make setup)")
+    import datasets
+    from sae_lens.config import CacheActivationsRunnerConfig
+    from sae_lens.training.activations_store import ActivationsStore
+
+    from nnvllm.sae import site_of_hook
+    from nnvllm.sae_cache import SIDECAR, hook_name
+
+    layers, sites, C = [1, LAYER], ["mlp", "z"], 4
+    kw = {"max_tokens": STEPS, "ignore_eos": True, "layers": layers, "sites": sites}
+    run = nv.generate(toy, PROMPTS, **kw)
+    out = tmp_path / "cache"
+    ds = nv.collect(toy, PROMPTS, out, format="sae_lens", context_size=C, batch_size=2, progress=False, **kw)
+    total = sum(run.positions(i) for i in range(len(PROMPTS)))
+    rows = total // C
+    names = [hook_name(s, layer) for s in ("resid", *sites) for layer in layers]
+    assert names[0] == "blocks.1.hook_resid_post" and names[-1] == "blocks.2.attn.hook_z"
+    assert [site_of_hook(n) for n in names] == [(s, layer) for s in ("resid", *sites) for layer in layers]
+    assert isinstance(ds, datasets.Dataset) and len(ds) == rows and set(ds.column_names) == {*names, "token_ids"}
+    assert ds.features["blocks.2.hook_mlp_out"] == datasets.Array2D(shape=(C, 64), dtype="float32")
+    assert ds.features["token_ids"] == datasets.Sequence(datasets.Value("int32"), length=C)
+    side = json.loads((out / SIDECAR).read_text())
+    assert (side["rows"], side["positions"], side["positions_left_out"]) == (rows, total, total % C)
+    assert side["hook_names"] == names and side["settings"]["layers"] == layers
+
+    ids = torch.tensor([t for i in range(len(PROMPTS)) for t in run.sequence(i)], dtype=torch.int32)[:rows * C]
+
+    def stream(site, layer):  # every request's positions one after another, as the cache packs them
+        per = run.resid if site == "resid" else run.sites[site]
+        return torch.cat([per[i][layers.index(layer)].flatten(1) for i in range(len(PROMPTS))])[:rows * C]
+
+    back = datasets.load_from_disk(str(out)).with_format("torch")
+    for name in names:
+        torch.testing.assert_close(back[:][name], stream(*site_of_hook(name)).reshape(rows, C, -1), rtol=0,
+                                   atol=STREAM, msg=name)
+    assert torch.equal(back[:]["token_ids"], ids.reshape(rows, C))
+
+    for name in ("blocks.2.hook_resid_post", "blocks.2.attn.hook_z"):
+        cfg = CacheActivationsRunnerConfig(
+            dataset_path="(generated by nnvllm)", model_name=toy.checkpoint, model_batch_size=2, hook_name=name,
+            d_in=64, training_tokens=10**6, context_size=C, new_cached_activations_path=str(out), dtype="float32",
+            device="cpu")
+        store = ActivationsStore.from_cache_activations(None, cfg)  # what sae-lens's trainer reads
+        acts, tokens = store.get_raw_llm_batch()
+        torch.testing.assert_close(acts, stream(*site_of_hook(name))[: 2 * C], rtol=0, atol=STREAM)
+        assert torch.equal(tokens.long(), ids[: 2 * C].long())
+
+    # float16 on request; a non-empty folder is refused, as sae-lens's runner refuses it
+    half = nv.collect(toy, PROMPTS[:2], tmp_path / "half", format="sae_lens", context_size=3, dtype="float16",
+                      progress=False, max_tokens=STEPS, ignore_eos=True, layers=[LAYER])
+    assert half.features["blocks.2.hook_resid_post"].dtype == "float16"
+    got = half.with_format("torch")[:]["blocks.2.hook_resid_post"]  # (datasets' torch format widens to fp32)
+    want = torch.cat([run.resid[i][1] for i in range(2)])
+    torch.testing.assert_close(got.reshape(-1, 64), want[: got.shape[0] * 3].half().float(), rtol=0, atol=STREAM)
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        nv.collect(toy, PROMPTS, out, format="sae_lens", context_size=C, progress=False, **kw)
+
+
+def test_sae_lens_format_refusals(toy, saes, tmp_path):
+    pytest.importorskip("datasets")
+    bad = [({"format": "parquet"}, "format='parquet'; expected 'nnvllm'"),
+           ({"context_size": 8}, "context_size= and dtype= shape sae-lens's activation cache"),
+           ({"format": "sae_lens", "context_size": 0}, "context_size=0; expected an int >= 1"),
+           ({"format": "sae_lens", "dtype": "bfloat16"}, "Arrow has no bfloat16"),
+           ({"format": "sae_lens", "saes": [saes["standard"]]}, "sae-lens's cache holds activations only"),
+           ({"format": "sae_lens", "logits": "full"}, "sae-lens's cache holds no logits"),
+           ({"format": "sae_lens", "layers": None}, "needs layers")]
+    for kw, match in bad:
+        with pytest.raises(ValueError, match=match):
+            nv.collect(toy, PROMPTS, tmp_path / "x", progress=False, **kw)
+    assert not (tmp_path / "x").exists()
+    # fewer positions than one row: an empty cache of the same columns, and a warning that says so
+    with pytest.warns(UserWarning, match="fill no row of context_size=500"):
+        empty = nv.collect(toy, PROMPTS[:1], tmp_path / "e", format="sae_lens", context_size=500, max_tokens=1,
+                           layers=[0], progress=False)
+    assert len(empty) == 0 and empty.features["blocks.0.hook_resid_post"].shape == (500, 64)
