@@ -18,8 +18,10 @@ import io
 import traceback
 
 from .compare import Discrepancy
+from .plotting import shows_roles
 
 __all__ = [
+    "as_prompt",
     "compare_figure",
     "error_html",
     "figure_png",
@@ -31,10 +33,14 @@ __all__ = [
     "patch_cell_html",
     "patch_figure",
     "per_position",
+    "position_roles",
     "position_table_html",
+    "prompt_fields",
+    "prompt_tokens",
     "samples_figure",
     "samples_table_html",
     "samples_text_html",
+    "shown_positions",
     "step_position",
     "summary_html",
     "tok_quoted",
@@ -82,7 +88,8 @@ def lens_rows(lens, layer_index: int, k: int = 5) -> list[dict]:
 
     Returns:
         Dicts with ``pos``, ``input`` (token text at pos), ``generated`` (pos holds a generated
-        token), ``top`` (list of ``(token text, prob)``, most likely first).
+        token), ``top`` (list of ``(token text, prob)``, most likely first), ``role`` (the position's
+        label, :attr:`nnvllm.Lens.roles`, or None).
 
     Example::
 
@@ -106,6 +113,7 @@ def lens_rows(lens, layer_index: int, k: int = 5) -> list[dict]:
             "input": lens.labels[p],
             "generated": p >= lens.prompt_len,
             "top": [(decode(t), float(q)) for t, q in zip(ids[p], probs[p])],
+            "role": lens.roles[p] if lens.roles is not None else None,
         }
         for p in range(n_pos)
     ]
@@ -116,7 +124,8 @@ def lens_table_html(lens, layer_index: int, k: int = 5, highlight_pos: int | Non
 
     One row per position (input token, then the ``k`` most likely next tokens with their
     probabilities). Generated positions are italic; ``highlight_pos`` gets a coloured row. Token
-    text is HTML-escaped and whitespace is kept, so the string contains e.g. ``" Paris"``.
+    text is HTML-escaped and whitespace is kept, so the string contains e.g. ``" Paris"``. A
+    conversation's lens gets a ``role`` column, the chat template's rows in grey.
 
     Example::
 
@@ -126,10 +135,11 @@ def lens_table_html(lens, layer_index: int, k: int = 5, highlight_pos: int | Non
     k = len(rows[0]["top"]) if rows else 0
     block = lens.layers[layer_index]
     head = "".join(f"<th>top {r + 1}</th>" for r in range(k))
+    with_roles = shows_roles(lens.roles)
     out = [
         "<table class='nnvllm-table' style='border-collapse:collapse;font-size:12px'>",
         f"<caption style='text-align:left'>layer {block}: top-{k} next tokens at each position</caption>",
-        f"<tr><th>pos</th><th>input</th>{head}</tr>",
+        f"<tr><th>pos</th>{'<th>role</th>' if with_roles else ''}<th>input</th>{head}</tr>",
     ]
     for r in rows:
         style = []
@@ -137,12 +147,15 @@ def lens_table_html(lens, layer_index: int, k: int = 5, highlight_pos: int | Non
             style.append(f"background:{HIGHLIGHT}33")
         if r["generated"]:
             style.append("font-style:italic")
+        if with_roles and r["role"] == "template":
+            style.append("color:#888")
+        role = f"<td>{html.escape(r['role'])}</td>" if with_roles else ""
         cells = "".join(
             f"<td style='padding:0 6px;white-space:nowrap'>{tok_html(t)} <span style='color:#666'>{q:.2f}</span></td>"
             for t, q in r["top"]
         )
         out.append(
-            f"<tr data-pos='{r['pos']}' style='{';'.join(style)}'><td>{r['pos']}</td>"
+            f"<tr data-pos='{r['pos']}' style='{';'.join(style)}'><td>{r['pos']}</td>{role}"
             f"<td>{tok_html(r['input'])}</td>{cells}</tr>"
         )
     out.append("</table>")
@@ -172,17 +185,79 @@ def live_lens_html(layers: list[int], cells: list[list[tuple[str, float]]], gene
             f"<tr><th>layer</th>{head}</tr>{''.join(rows)}</table>")
 
 
-def token_options(tokenizer, text: str) -> list[tuple[str, int]]:
-    """Return ``(label, pos)`` for each token of ``text`` as :func:`nnvllm.patch` positions count them.
+def as_prompt(text: str, chat: bool = False, system: str = ""):
+    """The prompt an explorer's text box stands for: the text itself, or with ``chat`` a conversation
+    of one user message (after a system message when ``system`` is not empty), which the verbs render
+    with the model's chat template.
 
-    The same ``tokenizer.encode(text)`` as ``patch`` (special tokens included, e.g. a BOS).
+    Example::
+
+        as_prompt("The capital of France is", chat=True)   # [{'role': 'user', 'content': 'The capital ...'}]
+    """
+    if not chat:
+        return text
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+
+
+def prompt_fields(prompt) -> tuple[str, bool, str]:
+    """The text box, chat box and system box that stand for ``prompt``: ``(text, chat, system)``, the
+    inverse of :func:`as_prompt`. A conversation there is one user message, after at most one system
+    message.
+
+    Example::
+
+        prompt_fields([{"role": "user", "content": "The capital of France is"}])   # ('The capital ...', True, '')
+    """
+    from .chat import is_conversation
+
+    if isinstance(prompt, str):
+        return prompt, False, ""
+    if not is_conversation(prompt):
+        raise TypeError(f"prompt of type {type(prompt).__name__}: an explorer takes a str or a conversation of "
+                        "one user message, e.g. [{'role': 'user', 'content': 'The capital of France is'}]")
+    roles = [m.get("role") for m in prompt]
+    texts = [m.get("content") for m in prompt]
+    if roles not in (["user"], ["system", "user"]) or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"a conversation of roles {roles}: an explorer's text box holds one user message (after "
+                         "at most one system message, text content); pass such a conversation, or call the verb "
+                         "(nv.logit_lens, nv.generate, nv.patch) with the whole conversation")
+    return texts[-1], True, texts[0] if len(texts) == 2 else ""
+
+
+def prompt_tokens(tokenizer, prompt) -> list[tuple[int, str, str]]:
+    """``(pos, token text, role)`` for each token of a prompt as the verbs read it: a str through
+    ``tokenizer.encode`` (special tokens included, as :func:`nnvllm.patch` counts positions), a
+    conversation rendered by its chat template (:func:`nnvllm.chat.render`); roles as
+    :attr:`nnvllm.Run.roles` labels them.
+
+    Example::
+
+        prompt_tokens(model.tokenizer, [{"role": "user", "content": "The capital"}])[0]  # (0, '<|endoftext|>', 'template')
+    """
+    from .chat import is_conversation, plain_roles, render
+
+    if is_conversation(prompt):
+        r = render(tokenizer, prompt)
+        ids, roles = r.ids, r.roles
+    else:
+        ids = tokenizer.encode(prompt)
+        roles = plain_roles(tokenizer, ids)
+    return [(p, tokenizer.decode([t]), role) for p, (t, role) in enumerate(zip(ids, roles))]
+
+
+def token_options(tokenizer, prompt) -> list[tuple[str, int]]:
+    """Return ``(label, pos)`` for each token of ``prompt`` as :func:`nnvllm.patch` positions count them.
+
+    A str through ``tokenizer.encode`` (special tokens included, e.g. a BOS); a conversation rendered
+    by its chat template, the template's tokens labelled ``(template)`` (:func:`prompt_tokens`).
 
     Example::
 
         token_options(model.tokenizer, "The capital of France is")[3]   # ("3: ' France'", 3)
     """
-    ids = tokenizer.encode(text)
-    return [(f"{p}: {tokenizer.decode([t])!r}", p) for p, t in enumerate(ids)]
+    chat = not isinstance(prompt, str)
+    return [(f"{p}: {text!r}" + (" (template)" if chat and role == "template" else ""), p)
+            for p, text, role in prompt_tokens(tokenizer, prompt)]
 
 
 
@@ -263,28 +338,37 @@ def figure(width: float, height: float):
 # ------------------------------------------------------------------------- what each explorer draws
 
 
-def lens_figure(lens, layer_index: int, step: int, max_positions: int = 40):
+def lens_figure(lens, layer_index: int, step: int, max_positions: int = 40, positions="all"):
     """The :class:`~nnvllm.widgets.LensExplorer` picture: the lens heatmap with layer ``layer_index``
-    outlined and the position that predicts generated token ``step`` dotted.
+    outlined and the position that predicts generated token ``step`` dotted (where it is drawn).
+
+    ``positions`` draws some positions only, as :func:`nnvllm.plotting.plot_lens` takes them
+    (``"content"``: without the chat template's).
 
     Example::
 
         figure_png(lens_figure(lens, -1, 0))
     """
-    from .plotting import lens_figsize
+    from .plotting import lens_figsize, title_pad
 
     n_layer, n_pos, _ = lens.top_ids.shape
     j = range(n_layer)[layer_index]
+    pos = step_position(lens, step) if lens.generated else lens.prompt_len - 1
+    target = (lens.positions or range(n_pos))[pos]  # the predicting position, as the request counts it
+    if not (isinstance(positions, str) and positions == "all"):
+        lens = lens.select(positions)
+        n_pos = lens.top_ids.shape[1]
     shown = min(n_pos, max_positions)
     start = n_pos - shown
     fig = figure(*lens_figsize(shown, n_layer))
     ax = fig.subplots()
     lens.plot(ax=ax, max_positions=max_positions)
     ax.add_patch(_rect(-0.5, j - 0.5, shown, 1.0, lw=2.5))
-    pos = step_position(lens, step) if lens.generated else lens.prompt_len - 1
-    if pos >= start:
-        ax.add_patch(_rect(pos - start - 0.5, -0.5, 1.0, n_layer, lw=1.5, ls=":"))
-    ax.set_title(f"logit lens: layer {lens.layers[j]} outlined, step {step} dotted", fontsize=10)
+    where = list(lens.positions or range(n_pos))
+    col = where.index(target) if target in where else -1
+    if col >= start:  # hidden (a template position) or cut off: no column to dot
+        ax.add_patch(_rect(col - start - 0.5, -0.5, 1.0, n_layer, lw=1.5, ls=":"))
+    ax.set_title(f"logit lens: layer {lens.layers[j]} outlined, step {step} dotted", fontsize=10, pad=title_pad(ax))
     return fig
 
 
@@ -310,7 +394,8 @@ def lens_status_html(lens, layer_index: int, step: int) -> str:
 
 
 def patch_figure(res, layer: int, pos: int):
-    """The :class:`~nnvllm.widgets.PatchExplorer` picture: the sweep's heatmap, cell (``layer``, ``pos``) outlined."""
+    """The :class:`~nnvllm.widgets.PatchExplorer` picture: the sweep's heatmap, cell (``layer``, ``pos``)
+    outlined; a sweep over a conversation with its template's columns hatched and its roles named."""
     j, p = res.layers.index(layer), res.positions.index(pos)
     fig = figure(max(6.0, 2.5 + 0.6 * len(res.positions)), max(3.0, 1.8 + 0.42 * len(res.layers)))
     ax = fig.subplots()
@@ -330,11 +415,62 @@ def patch_cell_html(res, layer: int, pos: int) -> str:
     )
 
 
-def compare_figure(d: Discrepancy, metric: str, layer: int):
+def position_roles(run) -> list[str] | None:
+    """One label per position for a view over all of a run's requests at once: the position's role
+    (:attr:`nnvllm.Run.roles`) where every request that reaches it agrees, ``"mixed"`` where they
+    differ; None for a run without roles.
+
+    Example::
+
+        position_roles(run)[:3]     # ['template', 'user', 'user']
+    """
+    if not run.roles:
+        return None
+    out = []
+    for p in range(max(len(r) for r in run.roles)):
+        seen = {r[p] for r in run.roles if p < len(r)}
+        out.append(seen.pop() if len(seen) == 1 else "mixed")
+    return out
+
+
+def shown_positions(roles, positions, kept) -> list:
+    """Which of the positions ``kept`` a view shows: all of them for ``positions="all"``, else those
+    :func:`nnvllm.chat.select_positions` picks by their ``roles`` (one label per position of the request).
+
+    Example::
+
+        shown_positions(position_roles(run), "content", table.columns)
+    """
+    from .chat import select_positions
+
+    kept = list(kept)
+    if isinstance(positions, str) and positions == "all":
+        return kept
+    if roles is None:
+        raise ValueError(f"positions={positions!r} selects by role, and these runs have no roles; pass "
+                         "positions='all'")
+    labels = [roles[p] if p < len(roles) else "mixed" for p in kept]
+    cols = select_positions(labels, positions)
+    if cols is None:
+        raise ValueError(f"positions={positions!r}: expected 'all', 'content' (without the chat template), a "
+                         "role such as 'user', or a list of roles")
+    return [kept[c] for c in cols]
+
+
+def compare_figure(d: Discrepancy, metric: str, layer: int, roles=None, positions="all"):
     """The :class:`~nnvllm.widgets.CompareView` picture: ``metric`` per layer (``layer`` marked) and, on
     the same y axis, per position at that layer; ``cosine`` is drawn as ``1 - cosine`` on the log
-    axis, exact zeros marked "exact" (:func:`nnvllm.plotting.log_metric`)."""
-    from .plotting import log_metric
+    axis, exact zeros marked "exact" (:func:`nnvllm.plotting.log_metric`).
+
+    ``roles`` (one label per position, :func:`position_roles`) hatches a conversation's template
+    positions and names its role spans over the per-position panel; ``positions="content"`` (or a
+    role) draws only those positions there.
+
+    Example::
+
+        compare_figure(d, "rel_err", 3, roles=position_roles(run), positions="content")
+    """
+    from .plotting import log_metric, mark_roles, title_pad
 
     fig = figure(8.0, 3.2)  # 10 in was clipped in JupyterLab with the file browser open
     ax_l, ax_p = fig.subplots(1, 2, sharey=True)
@@ -348,6 +484,7 @@ def compare_figure(d: Discrepancy, metric: str, layer: int):
     if metric == "cosine":  # 1 - cosine, and 0 where the numbers are identical (the rounding aside)
         per_layer = (1.0 - per_layer).where(d.per_layer("max_abs") != 0, 0.0)
         worst = (1.0 - worst).where(per_position(d, "max_abs", layer).max(axis=0) != 0, 0.0)
+    worst = worst[worst.index.isin(shown_positions(roles, positions, worst.index))]
     log_metric(ax_l, per_layer.index.to_numpy(), per_layer.to_numpy(dtype=float), "o-")
     log_metric(ax_p, worst.index.to_numpy(), worst.to_numpy(dtype=float), "s-")
     ax_l.axvline(layer, color=HIGHLIGHT, lw=2)
@@ -356,8 +493,14 @@ def compare_figure(d: Discrepancy, metric: str, layer: int):
     ax_l.set_ylabel(f"{name} (log)")  # the right panel shares this axis: one label
     ax_l.set_xlabel("layer")
     ax_p.set_xlabel("position")
-    ax_l.set_title(f"worst {name} per layer ({plain_title(d.names[0])} vs {plain_title(d.names[1])})", fontsize=9)
-    ax_p.set_title(f"layer {layer}: worst {name} per position over requests", fontsize=9)
+    if roles is not None:
+        at = worst.index.to_numpy()
+        ax_p.set_xlim(at.min() - 0.6, at.max() + 0.6)
+        mark_roles(ax_p, [roles[p] if p < len(roles) else "mixed" for p in at], xs=at, where=at)
+    pad = title_pad(ax_p)  # both titles at one height
+    ax_l.set_title(f"worst {name} per layer ({plain_title(d.names[0])} vs {plain_title(d.names[1])})", fontsize=9,
+                   pad=pad)
+    ax_p.set_title(f"layer {layer}: worst {name} per position over requests", fontsize=9, pad=pad)
     fig.tight_layout()
     return fig
 
@@ -372,14 +515,16 @@ def samples_figure(run, tokenizer):
 
 
 def samples_text_html(run, tokenizer) -> str:
-    """Request 0's prompt and continuation, each generated token shaded by its probability."""
+    """Request 0's prompt as the model read it (a conversation rendered by its chat template:
+    :attr:`nnvllm.Run.prompt_text`) and its continuation, each generated token shaded by its probability."""
     s = run.samples[0]
     pieces = "".join(
         f"<span title='p={float(q):.3f}' style='background:rgba(31,119,180,{0.15 + 0.6 * float(q):.2f})'>"
         f"{html.escape(tokenizer.decode([int(t)]))}</span>"
         for t, q in zip(s.ids.tolist(), s.probs)
     )
-    return f"<div style='white-space:pre-wrap'>{html.escape(run.prompts[0])}{pieces}</div>"
+    prompt = run.prompt_text[0] if run.prompt_text else run.prompts[0]  # a run saved before prompt_text
+    return f"<div style='white-space:pre-wrap'>{html.escape(prompt)}{pieces}</div>"
 
 
 def samples_table_html(run, tokenizer) -> str:

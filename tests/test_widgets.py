@@ -15,6 +15,7 @@ import torch
 import nnvllm as nv
 from nnvllm.lens import Lens, Norm, Unembed
 from nnvllm.views import (
+    as_prompt,
     error_html,
     lens_figure,
     lens_rows,
@@ -22,6 +23,10 @@ from nnvllm.views import (
     lens_table_html,
     live_lens_html,
     per_position,
+    position_roles,
+    prompt_fields,
+    samples_text_html,
+    shown_positions,
     step_position,
     summary_html,
     token_options,
@@ -212,6 +217,75 @@ def test_lens_views_quote_tokens_and_follow_the_layer():
     assert [t.get_text() for t in ax.get_xticklabels()][:2] == ["The", "␣capital"]
 
 
+def test_prompt_boxes_stand_for_a_conversation():
+    conv = [{"role": "user", "content": CLEAN}]
+    with_system = [{"role": "system", "content": "Answer."}] + conv
+    assert as_prompt(CLEAN) == CLEAN and as_prompt(CLEAN, chat=True) == conv
+    assert as_prompt(CLEAN, chat=True, system="Answer.") == with_system
+    assert as_prompt(CLEAN, chat=False, system="Answer.") == CLEAN  # the system box belongs to chat
+    for prompt in (CLEAN, conv, with_system):
+        assert as_prompt(*prompt_fields(prompt)) == prompt
+    with pytest.raises(ValueError, match="one user message"):
+        prompt_fields(conv + [{"role": "assistant", "content": " Paris"}])
+    with pytest.raises(TypeError, match="a str or a conversation"):
+        prompt_fields(3)
+
+
+def test_lens_views_label_a_conversations_positions():
+    lens = make_lens()  # The capital of France is | Paris
+    lens.roles = ["template", "user", "user", "user", "user", "assistant"]
+    assert lens_rows(lens, -1)[0]["role"] == "template" and lens_rows(make_lens(), -1)[0]["role"] is None
+    table = lens_table_html(lens, -1)
+    assert "<th>pos</th><th>role</th><th>input</th>" in table
+    rows = [table.split(f"data-pos='{p}'")[1].split("</tr>")[0] for p in (0, 1)]
+    assert "color:#888" in rows[0] and "<td>template</td>" in rows[0] and "color:#888" not in rows[1]
+    assert "<th>role</th>" not in lens_table_html(make_lens(), -1)  # a plain prompt: no role column
+
+    ax = lens_figure(lens, 1, 0).axes[0]
+    assert [p.get_x() for p in ax.patches if p.get_gid() == "nnvllm-template"] == [-0.5]
+    assert ax.get_title() == "logit lens: layer 1 outlined, step 0 dotted"
+    ax = lens_figure(lens, 1, 0, positions="content").axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["␣capital", "␣of", "␣France", "␣is", "␣Paris"]
+    _, dots = ax.patches  # the layer's outline, the step's dotted column
+    assert dots.get_x() == 3 - 0.5  # position 4 (" is") predicts step 0: the fourth column shown
+    lens.roles = ["user"] * 4 + ["template", "assistant"]  # that position hidden: nothing to dot
+    assert len(lens_figure(lens, 1, 0, positions="content").axes[0].patches) == 1
+
+
+def test_samples_text_shows_the_conversation_as_the_model_read_it():
+    run = _run(prompts=("a",))
+    run.prompts = [[{"role": "user", "content": "<b>&"}]]
+    run.prompt_text = ["<|endoftext|><b>&"]
+    out = samples_text_html(run, WordTokenizer())
+    assert out.startswith("<div style='white-space:pre-wrap'>&lt;|endoftext|&gt;&lt;b&gt;&amp;<span")
+    assert out.endswith(">" + " of</span></div>")
+
+
+def test_compare_view_hatches_and_hides_template_positions():
+    runs = {"ref": _run(), "perturbed": _run(perturb=1.0)}
+    for run in runs.values():
+        run.roles = [["template", "user", "user", "assistant"]] * 2
+    assert position_roles(runs["ref"]) == ["template", "user", "user", "assistant"]
+    view = CompareView(runs)
+    view.layer.value = 1
+    ax_p = view.figure.axes[1]
+    assert [p.get_x() for p in ax_p.patches if p.get_gid() == "nnvllm-template"] == [-0.5]
+    assert [t.get_text() for t in ax_p.texts if t.get_gid() == "nnvllm-role"] == ["user", "assistant"]
+    columns = view.table.value.count("<th>0</th>")  # position 0's column, and request 0's row
+    view.hide_template.value = True
+    ax_p = view.figure.axes[1]
+    data = [ln for ln in ax_p.lines if ln.get_transform() == ax_p.transData]
+    assert list(data[0].get_xdata()) == [1, 2, 3] and not any(p.get_gid() == "nnvllm-template" for p in ax_p.patches)
+    assert view.table.value.count("<th>0</th>") == columns - 1
+    # Requests that label a position differently: "mixed" there, kept by "content".
+    runs["ref"].roles = [["template", "user", "user"], ["template", "system", "user", "assistant"]]
+    assert position_roles(runs["ref"]) == ["template", "mixed", "user", "assistant"]
+    assert shown_positions(position_roles(runs["ref"]), "content", [0, 1, 2, 3]) == [1, 2, 3]
+    assert position_roles(_run()) is None
+    with pytest.raises(ValueError, match="no roles"):
+        shown_positions(None, "content", [0, 1])
+
+
 def test_steering_vector_names_the_users_argument(toy):
     n = toy.n_layers
     with pytest.raises(ValueError, match=rf"^layer=10: expected one block index of this {n}-layer model") as e:
@@ -355,6 +429,52 @@ def test_explorer_carries_a_static_copy_for_html_exports(toy):
     data = data[0] if isinstance(data, tuple) else data
     assert "application/vnd.jupyter.widget-view+json" in data
     assert "data:image/png;base64," in data["text/html"] and ex.png
+
+
+def test_explorers_take_a_conversation(toy):
+    """The chat box makes the text box one user message (the system box a system message before it):
+    the lens, the samples and the patching sweep run on the conversation, its template marked."""
+    conv = [{"role": "user", "content": CLEAN}]
+    ex = LensExplorer(toy, conv, max_tokens=2)
+    assert ex.last_error is None and ex.chat.value and not ex.system.disabled and ex.prompt.value == CLEAN
+    assert ex.prompt_value() == conv and ex.lens.roles == ["template"] + ["user"] * 5 + ["assistant"]
+    assert ex.lens.top_tokens(-1)[5] == " Paris"  # the toy model answers in its template
+    ax = ex.figure.axes[0]
+    assert [p.get_x() for p in ax.patches if p.get_gid() == "nnvllm-template"] == [-0.5]
+    assert "<th>role</th>" in ex.table.value
+    ex.hide_template.value = True  # redraws without the template's position; no engine call
+    ax = ex.figure.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()][:2] == ["The", "␣capital"]
+    assert not any(p.get_gid() == "nnvllm-template" for p in ax.patches)
+    ex.system.value = "Answer."
+    ex.run_button.click()
+    assert ex.last_error is None and ex.lens.roles[:7] == ["template"] + ["system"] * 5 + ["template"]
+    ex.chat.value = False
+    ex.run_button.click()
+    assert ex.system.disabled and ex.lens.roles[0] == "user" and ex.lens.labels[0] == "The"
+
+    samples = SamplesExplorer(toy, CLEAN, max_tokens=2, temperature=0.0, chat=True)
+    assert samples.run.prompts == [conv] and samples.run.prompt_text == ["<|endoftext|>" + CLEAN]
+    assert samples.text.value.startswith(f"<div style='white-space:pre-wrap'>&lt;|endoftext|&gt;{CLEAN}<span")
+    assert "> Paris</span>" in samples.text.value
+
+    corrupt = [{"role": "user", "content": CORRUPT}]
+    px = PatchExplorer(toy, conv, corrupt, " Paris", " Rome")
+    assert px.chat.value and px.prompts() == (conv, corrupt)
+    assert px.positions.options[0] == ("0: '<|endoftext|>' (template)", 0)
+    assert px.positions.value == (1, 2, 3, 4, 5)  # the template's token is left out at first
+    px.layers.value = (0, 1)
+    px.run_button.click()
+    assert px.last_error is None, px.error.value
+    assert px.result.positions == [1, 2, 3, 4, 5] and px.result.roles == ["user"] * 5
+    assert px.effect_at(0, 4) > 0.9  # " France" carries the answer at layer 0, as in a plain prompt
+    px.positions.value = (0, 4)
+    px.run_button.click()
+    assert [p.get_x() for p in px.figure.axes[0].patches if p.get_gid() == "nnvllm-template"] == [-0.5]
+    px.chat.value = False  # back to plain text: the positions follow
+    assert px.positions.options[0] == ("0: 'The'", 0) and px.positions.value == (0, 1, 2, 3, 4)
+    with pytest.raises(ValueError, match="unlike clean"):
+        PatchExplorer(toy, CLEAN, corrupt, " Paris", " Rome")
 
 
 def test_live_lens_html():
