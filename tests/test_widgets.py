@@ -476,6 +476,13 @@ def test_explorers_take_a_conversation(toy):
     with pytest.raises(ValueError, match="unlike clean"):
         PatchExplorer(toy, CLEAN, corrupt, " Paris", " Rome")
 
+    import html
+    import re
+
+    live = LiveGeneration(toy, conv, max_tokens=2, ignore_eos=True)  # shows the text the model reads
+    assert live.wait(60) is not None and live.last_error is None and live.run.prompts == [conv]
+    assert html.unescape(re.sub(r"<[^>]+>", "", live.text.value)) == "<|endoftext|>" + CLEAN + live.run.text[0]
+
 
 def test_live_lens_html():
     cells = [[("a", 0.5), ("<b>", 1.0)], [("c", float("nan")), ("d", 0.25)]]

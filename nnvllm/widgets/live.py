@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..chat import is_conversation
 from ..results import Run
 from ..views import error_html, live_lens_html, tok_html
 from .base import EngineClosed, W, _check_open, _Explorer
@@ -31,11 +32,12 @@ class LiveGeneration(_Explorer):
         live.replay_button.click(); live.wait()                                  # the same again
     """
 
-    def __init__(self, model, prompt: str, max_tokens: int = 20, *, layers="all", pace: float = 0.0,
+    def __init__(self, model, prompt: str | list[dict], max_tokens: int = 20, *, layers="all", pace: float = 0.0,
                  **generate_kwargs: Any) -> None:
         super().__init__()
-        if not isinstance(prompt, str):
-            raise TypeError(f"prompt={prompt!r}: LiveGeneration shows one prompt (a str)")
+        if not isinstance(prompt, str) and not is_conversation(prompt):
+            raise TypeError(f"prompt={prompt!r}: LiveGeneration shows one prompt (a str, or a conversation: a list "
+                            "of {'role', 'content'} messages)")
         if isinstance(pace, bool) or not isinstance(pace, (int, float)) or not 0 <= pace <= 10:
             raise ValueError(f"pace={pace!r}; expected seconds between steps, 0 to 10")
         self.model = model
@@ -43,7 +45,7 @@ class LiveGeneration(_Explorer):
         self.prompt = prompt
         self._kwargs = dict(max_tokens=max_tokens, layers=layers, **generate_kwargs)
         self.replays = 0
-        self.text = W.HTML(value=tok_html(prompt))
+        self.text = W.HTML(value="")
         self.text.add_class("nnvllm-live-text")
         self.panel = W.HTML(value="")
         self.panel.add_class("nnvllm-live-panel")
@@ -67,10 +69,12 @@ class LiveGeneration(_Explorer):
 
         self.stream = stream(self.model, [self.prompt], **self._kwargs)
         self.layers = list(self.stream._req.layer_ids)
+        rendered = self.stream._req.rendered[0]  # a conversation shows as the model reads it
+        self.prompt_text = self.prompt if rendered is None else rendered.text
         self.steps: list = []
         self._cells: list[list[tuple[str, float]]] = []
         self._generated: list[str] = []
-        self.text.value, self.panel.value, self.status.value = tok_html(self.prompt), "", "generating"
+        self.text.value, self.panel.value, self.status.value = tok_html(self.prompt_text), "", "generating"
         self.stop_button.disabled, self.replay_button.disabled = False, True
         self._thread = threading.Thread(target=self._drive, name="nnvllm-live", daemon=True)
         self._thread.start()
@@ -115,7 +119,7 @@ class LiveGeneration(_Explorer):
         try:
             for step in self.stream:
                 self.steps.append(step)
-                self.text.value = tok_html(self.prompt) + f"<b>{tok_html(step.text[0])}</b>"
+                self.text.value = tok_html(self.prompt_text) + f"<b>{tok_html(step.text[0])}</b>"
                 if step.tokens[0]:
                     self._generated.append(decode(step.tokens[0][-1]))
                     if step.lens_ids is not None:
