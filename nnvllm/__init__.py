@@ -21,8 +21,10 @@ The public verbs, one hop from here:
   MLP and the embedding; ``Run.attention`` rebuilds attention patterns from captured q and k.
 - :class:`SAE` (``sae.py``) — a sparse autoencoder in sae-lens's saved layout (``SAE.load``); pass
   ``saes=[...]`` to :func:`generate` to encode inside the engine (``run.features``).
-- ``chat.py`` — a conversation (a list of ``{"role", "content"}`` messages) wherever a prompt goes,
-  rendered as vLLM's ``LLM.chat`` renders it; ``run.roles`` labels every position.
+- :mod:`chat` (``chat.py``) — a conversation (a list of ``{"role", "content"}`` messages) wherever a
+  prompt goes, rendered as vLLM's ``LLM.chat`` renders it; ``run.roles`` labels every position, the
+  plots hatch the template's (``lens.plot(positions="content")`` hides them);
+  ``nv.chat.render(model.tokenizer, messages)`` shows the text, token ids and roles before a run.
 - :func:`collect` (``store.py``) — many prompts, chunked to disk under a memory budget, read lazily
   (:class:`Dataset`); the on-disk format in ``shards.py``; several engines (a list of models, or Ray
   actors) in ``distributed.py``.
@@ -40,7 +42,7 @@ The public verbs, one hop from here:
 Importing nnvllm imports neither vLLM nor nnsight and changes no global state.
 """
 
-from . import sampling
+from . import chat, sampling
 from .analyses import attribute, logit_lens, patch, steering_vector
 from .arch import ARCHS, Arch, register_arch
 from .capture import generate
@@ -70,5 +72,5 @@ def __getattr__(name: str):
 
 __all__ = ["load", "engines", "EngineDied", "generate", "stream", "Stream", "Step", "Edit", "steering_vector", "collect", "reference", "logit_lens", "patch", "compare", "attribute",
            "Run", "Samples", "Lens", "PatchResult", "Discrepancy", "Dataset", "EngineInfo", "Arch", "ARCHS",
-           "register_arch", "SAE", "sampling", "toy",
+           "register_arch", "SAE", "chat", "sampling", "toy",
            "__version__"]

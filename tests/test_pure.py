@@ -797,6 +797,8 @@ def test_result_classes_are_exported():
                          ("Dataset", "store"), ("EngineInfo", "engine"), ("Run", "results"), ("Samples", "results")]:
         cls = getattr(nv, name)
         assert name in nv.__all__ and cls.__module__ == f"nnvllm.{module}", name
+    # Conversations: nv.chat.render shows a conversation's text, ids and roles before any run.
+    assert "chat" in nv.__all__ and nv.chat.render.__module__ == "nnvllm.chat"
 
 
 def test_a_loopback_rendezvous_listens_on_loopback_only():
