@@ -26,8 +26,9 @@ The public verbs, one hop from here:
   plots hatch the template's (``lens.plot(positions="content")`` hides them);
   ``nv.chat.render(model.tokenizer, messages)`` shows the text, token ids and roles before a run.
 - :func:`collect` (``store.py``) — many prompts, chunked to disk under a memory budget, read lazily
-  (:class:`Dataset`); the on-disk format in ``shards.py``; several engines (a list of models, or Ray
-  actors) in ``distributed.py``.
+  (:class:`Dataset`); the on-disk format in ``shards.py``, SAE features in it in ``sae_data.py``,
+  sae-lens's activation cache (``format="sae_lens"``) in ``sae_cache.py``; several engines (a list of
+  models, or Ray actors) in ``distributed.py``.
 - :func:`reference` (``reference.py``) — the same capture on plain transformers (ground truth).
 - :func:`logit_lens`, :func:`patch`, :func:`steering_vector` (``analyses.py``; math in ``lens.py``, ``patching.py``).
 - :func:`compare` (``compare.py``) — discrepancies between two runs (vLLM vs HF, TP1 vs TP2).
