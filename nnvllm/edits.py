@@ -8,6 +8,8 @@ it does to each of those rows:
 - ``Edit.set(value, layers)``: ``x = value`` (a float, e.g. 0 to ablate, or a vector);
 - ``Edit.scale(factor, layers)``: ``x * factor``;
 - ``Edit.feature(sae, feature, scale)``: ``x + scale * sae.W_dec[feature]`` at the SAE's site and layer;
+- ``Edit.clamp(sae, feature, value)``: the SAE's code of ``x`` with that feature set to ``value``,
+  decoded, plus the SAE's error (``x + decode(acts') - decode(acts)``: an unchanged clamp changes nothing);
 - ``Edit.patch(run, layers)``: another run's value at the same position (patching over a generation).
 
 On the engine the edits run in the same permanent hooks that record activations (worker side, no
@@ -25,7 +27,7 @@ stream. An edit applies to every prompt of the call, or to the ones its ``prompt
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import torch
@@ -33,17 +35,17 @@ from torch import Tensor
 
 __all__ = ["Edit"]
 
-_OPS = ("add", "set", "scale", "patch")
+_OPS = ("add", "set", "scale", "patch", "clamp")
 _POSITIONS = ("all", "prompt", "generated")
 _FULL_WIDTH = ("resid", "attn", "mlp")  # the same on every tensor-parallel rank
 
 
 @dataclass(frozen=True)
 class Edit:
-    """One edit; build it with :meth:`add`, :meth:`set` or :meth:`scale`.
+    """One edit; build it with :meth:`add`, :meth:`set`, :meth:`scale`, :meth:`patch`, :meth:`feature` or :meth:`clamp`.
 
     Attributes:
-        op: ``"add"``, ``"set"`` or ``"scale"``.
+        op: ``"add"``, ``"set"``, ``"scale"``, ``"patch"`` or ``"clamp"``.
         site: where (``"resid"`` by default).
         layers: block indices (negative counts from the end).
         vector: ``[width]`` for ``add`` and a vector ``set``, else None.
@@ -53,6 +55,8 @@ class Edit:
             first prompt token; a generated token's position is the prompt length plus its index).
         values: ``[len(layers), pos, width]`` for ``patch``: another run's values, position by position.
         prompts: indices of the prompts of the call it applies to, or None for every prompt.
+        sae: the :class:`~nnvllm.SAE` of a ``clamp``, else None.
+        clamps: ``((feature, value), ...)``: what a ``clamp`` sets, else None.
     """
 
     op: str
@@ -64,6 +68,8 @@ class Edit:
     positions: str | tuple[int, ...] = "all"
     values: Tensor | None = None  # [layer, pos, width] for "patch": the source run's values
     prompts: tuple[int, ...] | None = None  # the prompts of the call it applies to (None: all)
+    sae: Any = None
+    clamps: tuple[tuple[int, float], ...] | None = None
 
     @classmethod
     def add(cls, vector, layers, scale: float = 1.0, *, site: str = "resid", positions: str = "all",
@@ -132,6 +138,42 @@ class Edit:
         return cls.add(sae.direction(feature), sae.layer, scale, site=sae.site, positions=positions, prompts=prompts)
 
     @classmethod
+    def clamp(cls, sae, feature, value, *, positions: str = "all", prompts=None) -> Edit:
+        """Clamp sparse-autoencoder features: at the SAE's site and layer, encode ``x``, set ``feature``'s
+        activation to ``value``, and write back the decode of that code plus the SAE's error term
+        ``x - decode(encode(x))``, i.e. ``x + decode(acts') - decode(acts)`` (:meth:`nnvllm.SAE.clamp_delta`).
+        The error is kept, so only the feature moves: clamping a feature to the activation it has
+        leaves the stream bit for bit (0 on an inactive feature, for instance). ``value=0`` ablates
+        the feature; a large value makes it fire everywhere (Neuronpedia's and sae-lens's clamping).
+
+        A clamp runs the edited generation's steps eagerly (it encodes with the SAE in the hook; only
+        ``add`` edits to the residual stream replay inside CUDA graphs).
+
+        Args:
+            sae: an :class:`~nnvllm.SAE`; its ``site`` and ``layer`` say where.
+            feature: a feature id, or a list of them (clamped at once).
+            value: the activation to set: a float, or one per feature.
+
+        Example:
+            >>> nv.generate(model, "I think", edits=[nv.Edit.clamp(sae, 1234, 0.0)])  # doctest: +SKIP
+        """
+        from .sae import SAE
+
+        if not isinstance(sae, SAE):
+            raise TypeError(f"sae must be an nv.SAE (nv.SAE.load(path, site=..., layer=...)), got {type(sae).__name__}")
+        feats = [feature] if isinstance(feature, int) or not isinstance(feature, (list, tuple, range)) else list(feature)
+        if not feats or not all(isinstance(f, int) and not isinstance(f, bool) and 0 <= f < sae.d_sae for f in feats) \
+                or len(set(feats)) != len(feats):
+            raise ValueError(f"feature={feature!r}; expected a feature id in 0..{sae.d_sae - 1}, or a list of "
+                             "distinct ones")
+        vals = [value] * len(feats) if isinstance(value, (int, float)) else value
+        if not isinstance(vals, (list, tuple)) or len(vals) != len(feats) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in vals):
+            raise ValueError(f"value={value!r}; expected a finite float, or one per feature ({len(feats)})")
+        base = cls._make("clamp", sae.site, sae.layer, positions=positions, prompts=prompts)
+        return replace(base, sae=sae, clamps=tuple((int(f), float(v)) for f, v in zip(feats, vals)))
+
+    @classmethod
     def _make(cls, op, site, layers, *, vector=None, value=None, factor=1.0, positions="all", values=None,
               prompts=None) -> Edit:
         from .arch import SITES
@@ -187,6 +229,9 @@ class Edit:
             d["value"] = self.value
         if self.values is not None:
             d["values"] = {"positions": int(self.values.shape[1]), "width": int(self.values.shape[2])}
+        if self.clamps is not None:
+            d["sae"] = {"hook_name": self.sae.hook_name, "architecture": self.sae.architecture, "d_sae": self.sae.d_sae}
+            d["clamp"] = [list(fv) for fv in self.clamps]
         return d
 
 
@@ -235,6 +280,12 @@ def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str,
             want = (widths or {}).get(e.site)
             if want is not None and e.values.shape[-1] != want:
                 raise ValueError(f"the source run's {e.site!r} is {e.values.shape[-1]} wide; this model's is {want}")
+        if e.sae is not None:
+            if tp > 1 and e.site not in _FULL_WIDTH:
+                raise ValueError(f"a clamp at site {e.site!r} under tensor parallelism (each rank holds a slice of "
+                                 f"it) is not supported; use an SAE on one of {list(_FULL_WIDTH)}")
+            if (widths or {}).get(e.site):
+                e.sae.check_width(widths[e.site], where=" in this model (Edit.clamp)")
         if e.vector is not None:
             if tp > 1 and e.site not in _FULL_WIDTH:
                 raise ValueError(f"a vector edit at site {e.site!r} under tensor parallelism (each rank holds a "
@@ -255,7 +306,7 @@ def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str,
                     f"edit positions={list(e.positions)}: {past} lie past the end of every sequence it applies to "
                     f"(positions 0..{reach - 1}: prompt tokens, then each generated token fed back; the last "
                     "generated token is never fed back); give positions inside that range, or raise max_tokens")
-        out.append(Edit(e.op, e.site, tuple(layers), e.vector, e.value, e.factor, e.positions, e.values, e.prompts))
+        out.append(replace(e, layers=tuple(layers)))
     return out
 
 
@@ -274,12 +325,19 @@ def site_widths(model) -> dict[str, int]:
 
 
 def to_spec(edits: list[Edit]) -> list[dict]:
-    """The plain form the engine's worker arms (lists, no tensors: RPCs serialize it)."""
+    """The plain form the engine's worker arms (lists, no tensors: RPCs serialize it). A clamp names
+    its SAE's folder (the worker loads it, as it loads ``generate(saes=...)``) and ``[feature, value]`` s."""
+    from .sae_group import folder_of
+
     return [{"op": e.op, "site": e.site, "layers": list(e.layers), "scale": e.factor,
              "positions": e.positions if isinstance(e.positions, str) else list(e.positions),
              "prompts": None if e.prompts is None else list(e.prompts),
              "value": e.value, "vector": None if e.vector is None else e.vector.tolist(),
-             "values": None if e.values is None else e.values.tolist()} for e in edits]
+             "values": None if e.values is None else e.values.tolist(),
+             **({} if e.sae is None else {
+                 "sae": {"path": folder_of(e.sae), "site": e.sae.site, "layer": e.sae.layer,
+                         "dtype": str(e.sae.dtype).removeprefix("torch.")},
+                 "clamp": [list(fv) for fv in e.clamps]})} for e in edits]
 
 
 def hf_hooks(model, arch, edits: list[Edit], plen: int, prompt: int = 0) -> list:
@@ -290,6 +348,7 @@ def hf_hooks(model, arch, edits: list[Edit], plen: int, prompt: int = 0) -> list
     """
     blocks = model.get_submodule(arch.blocks)
     handles = []
+    on_device: dict[int, Any] = {}  # id(edit) -> its SAE on the model's device (clamp)
 
     def edited(e: Edit, x: Tensor, part: int = 0, parts: int = 1, e_layer: int = 0) -> Tensor:
         pos = torch.arange(x.shape[-2], device=x.device)
@@ -311,6 +370,13 @@ def hf_hooks(model, arch, edits: list[Edit], plen: int, prompt: int = 0) -> list
             m = inside if m is None else (m & inside)
         elif e.op == "add":
             new = x + (vec * e.factor).to(device=x.device, dtype=x.dtype)
+        elif e.op == "clamp":
+            if parts > 1:
+                raise ValueError(f"a clamp at site {e.site!r}: transformers splits it over {parts} modules here; "
+                                 "clamp an SAE on another site")
+            sae = on_device.setdefault(id(e), e.sae.to(device=x.device))
+            feats, to = (torch.tensor(c, device=x.device) for c in zip(*e.clamps))
+            new = x + sae.clamp_delta(x, feats.long(), to).to(x.dtype)
         elif e.op == "set":
             new = vec.to(device=x.device, dtype=x.dtype).expand_as(x) if vec is not None else torch.full_like(x, e.value)
         else:

@@ -269,7 +269,7 @@ class SAE:
         return int(self.W_enc.shape[-1])
 
     def _row_norms(self) -> Tensor:
-        """``|W_dec[f]|`` per feature, shaped to broadcast over positions (also for :func:`stack`)."""
+        """``|W_dec[f]|`` per feature, shaped to broadcast over positions (also stacked: :mod:`nnvllm.sae_group`)."""
         n = self.W_dec.norm(dim=-1)
         return n if self.W_dec.ndim == 2 else n.unsqueeze(-2)
 
@@ -390,6 +390,25 @@ class SAE:
         sae_in, undo = self._input(x)
         acts = self._acts(sae_in)
         return acts, (self._flat(x).to(self.dtype) - self._decode(acts, undo)).norm(dim=-1)
+
+    def clamp_delta(self, x: Tensor, features: Tensor, values: Tensor) -> Tensor:
+        """What clamping ``features`` to ``values`` adds to ``x [..., d_in]`` (in the SAE's dtype and
+        ``x``'s shape): ``decode(acts') - decode(acts)``, ``acts = encode(x)`` and ``acts'`` the same with
+        ``acts'[..., features] = values``. So ``x + clamp_delta(...)`` is ``decode(acts') + error(x)``: the
+        SAE's error is kept. The delta is linear in ``values - acts[..., features]``: a feature clamped to
+        the activation it has adds exactly 0, and an unchanged clamp leaves ``x`` bit for bit.
+
+        Args:
+            features: ``[F]`` feature ids (int64). values: ``[F]`` the activations to set them to.
+        """
+        sae_in, undo = self._input(x)
+        coef = values.to(self.dtype) - self._acts(sae_in)[..., features]  # [..., F]
+        if self.finetuning_scaling_factor is not None:
+            coef = coef * self.finetuning_scaling_factor[features]
+        if self.architecture == "topk" and self.rescale_acts_by_decoder_norm:
+            coef = coef * (1 / self._row_norms()[features])
+        delta = coef @ self.W_dec[features]
+        return (delta if undo is None else delta * undo[0]).reshape(x.shape)
 
     def error(self, x: Tensor) -> Tensor:
         """``x - reconstruct(x)``, in the SAE's dtype: what the SAE misses (sae-lens's ``hook_sae_error``)."""

@@ -38,7 +38,7 @@ def _sae(arch: str, layer: int = LAYER, seed: int = 0, **cfg) -> nv.SAE:
 
 @pytest.fixture(scope="module")
 def saes():
-    return {"standard": _sae("standard"), "topk": _sae("topk", layer=1, seed=1, k=10),
+    return {"standard": _sae("standard", normalize_activations="layer_norm"), "topk": _sae("topk", layer=1, seed=1, k=10),
             "jumprelu": _sae("jumprelu", seed=2, normalize_activations="layer_norm")}
 
 
@@ -191,3 +191,99 @@ def test_sae_lens_format_refusals(toy, saes, tmp_path):
         empty = nv.collect(toy, PROMPTS[:1], tmp_path / "e", format="sae_lens", context_size=500, max_tokens=1,
                            layers=[0], progress=False)
     assert len(empty) == 0 and empty.features["blocks.0.hook_resid_post"].shape == (500, 64)
+
+
+# ---------------------------------------------------------------- Edit.clamp
+
+
+CLAMP_SAES = [("standard", {}), ("standard", {"normalize_activations": "layer_norm"}),
+              ("standard", {"normalize_activations": "constant_norm_rescale", "apply_b_dec_to_input": False}),
+              ("topk", {"k": 12, "rescale_acts_by_decoder_norm": True}), ("jumprelu", {}),
+              ("standard", {"finetuning_scaling_factor": True})]
+
+
+@pytest.mark.parametrize(("arch", "cfg"), CLAMP_SAES, ids=[f"{a}-{'-'.join(c)}" for a, c in CLAMP_SAES])
+def test_clamp_delta_is_the_clamped_decode_plus_the_error(arch, cfg):
+    sae = _sae(arch, seed=3, **cfg)
+    if cfg.get("finetuning_scaling_factor"):
+        weights = sae.tensors() | {"scaling_factor": torch.rand(D_SAE, generator=torch.Generator().manual_seed(4)) + 0.5}
+        sae = nv.SAE.from_state(sae.cfg, weights)
+        assert sae.finetuning_scaling_factor is not None
+    x = torch.randn(20, 64, generator=torch.Generator().manual_seed(5)) * 2
+    acts = sae.encode(x)
+    on, off = int(acts.mean(0).argmax()), int(acts.mean(0).argmin())
+    assert (acts[:, on] > 0).sum() > 5 and (acts[:, off] == 0).any()
+    feats, to = torch.tensor([on, off]), torch.tensor([3.0, 1.5])
+    clamped = acts.clone()
+    clamped[:, feats] = to
+    want = sae.decode(clamped, x=x) + sae.error(x)  # the decode of the edited code, the SAE's error kept
+    torch.testing.assert_close(x + sae.clamp_delta(x, feats, to), want, rtol=1e-5, atol=1e-5)
+    # unchanged: features set to the activations they have (per position) add exactly nothing
+    assert torch.equal(x + sae.clamp_delta(x, feats, acts[:, feats]), x)
+
+
+def test_clamp_edit_checks_its_arguments(toy, saes):
+    sae = saes["standard"]
+    e = nv.Edit.clamp(sae, [3, 7], [2.0, 0.0], positions="generated", prompts=[1])
+    assert (e.op, e.site, e.layers, e.clamps, e.sae) == ("clamp", "resid", (LAYER,), ((3, 2.0), (7, 0.0)), sae)
+    assert e.describe()["clamp"] == [[3, 2.0], [7, 0.0]] and e.describe()["sae"]["d_sae"] == D_SAE
+    assert nv.Edit.clamp(sae, 5, 1).clamps == ((5, 1.0),)
+    with pytest.raises(TypeError, match="sae must be an nv.SAE"):
+        nv.Edit.clamp("folder", 3, 0.0)
+    for feature in (D_SAE, -1, [2, 2], [], "3", True):
+        with pytest.raises(ValueError, match="expected a feature id in 0..127"):
+            nv.Edit.clamp(sae, feature, 0.0)
+    for value in (float("nan"), [1.0], "0", None):
+        with pytest.raises(ValueError, match="expected a finite float, or one per feature"):
+            nv.Edit.clamp(sae, [1, 2], value)
+    narrow = nv.SAE.from_state({"d_in": 32, "d_sae": 8, "metadata": {"hook_name": "blocks.1.hook_resid_post"}},
+                               {"W_enc": torch.zeros(32, 8), "W_dec": torch.zeros(8, 32), "b_enc": torch.zeros(8),
+                                "b_dec": torch.zeros(32)})
+    with pytest.raises(ValueError, match="reads d_in=32 values per position, but that site is 64 wide"):
+        nv.generate(toy, PROMPTS[0], max_tokens=1, edits=[nv.Edit.clamp(narrow, 0, 1.0)])
+
+
+def test_an_unchanged_clamp_leaves_the_stream_bit_equal(toy, saes):
+    """Clamping features to the activations they have (0: features that never fire here) leaves every
+    layer's stream and the logits bit for bit: the SAE's error is kept exactly, not re-added."""
+    sae = saes["topk"]
+    kw = {"max_tokens": STEPS, "ignore_eos": True}
+    # The baseline runs eagerly too (an edit that cannot replay in CUDA graphs, adding exact zeros), so
+    # that on a GPU both runs take the same kernels.
+    eager = nv.Edit.add(torch.zeros(64), layers=0, positions="prompt")
+    base = nv.generate(toy, PROMPTS, edits=[eager], saes=[sae], sae_dense=True, **kw)
+    code = torch.cat(base.features[0])
+    quiet = [f for f in range(D_SAE) if not code[:, f].any()][:4]
+    assert quiet and code.any(dim=0).sum() > 10  # some features never fire, many do
+    same = nv.generate(toy, PROMPTS, edits=[eager, nv.Edit.clamp(sae, quiet, 0.0)], **kw)
+    assert same.tokens == base.tokens
+    for i in range(len(PROMPTS)):
+        assert torch.equal(same.resid[i], base.resid[i]) and torch.equal(same.logits[i], base.logits[i])
+    # the same features clamped to 2 move the stream from block 1 on (over the prompt, the same tokens)
+    moved = nv.generate(toy, PROMPTS[:1], edits=[eager, nv.Edit.clamp(sae, quiet, 2.0)], **kw)
+    n = len(base.prompt_ids[0])
+    assert torch.equal(moved.resid[0][0, :n], base.resid[0][0, :n])
+    assert (moved.resid[0][1, :n] - base.resid[0][1, :n]).norm(dim=-1).min() > 0.1
+
+
+def test_a_clamp_equals_the_same_clamp_made_with_transformers_hooks(toy, toy_path, saes, fidelity):
+    sae = saes["standard"]  # layer-norm input: the clamp is undone through the input's norm
+    layers = [LAYER, LAYER + 1]
+    kw = {"max_tokens": STEPS, "ignore_eos": True, "layers": layers}
+    plain = nv.generate(toy, PROMPTS[:2], saes=[sae], sae_dense=True, **kw)
+    code = torch.cat(plain.features[0])
+    on = int(code.mean(0).argmax())  # fires most: clamped to 0, ablated
+    off = int(code.mean(0).argmin())
+    edits = [nv.Edit.clamp(sae, [on, off], [0.0, 6.0]),
+             nv.Edit.clamp(sae, on, 8.0, positions="generated", prompts=[1])]
+    run = nv.generate(toy, PROMPTS[:2], edits=edits, **kw)
+    hf = fidelity.reference(toy_path, PROMPTS[:2], edits=edits, **kw)
+    assert run.tokens == hf.value.tokens and run.meta["edits"][0]["clamp"] == [[on, 0.0], [off, 6.0]]
+    for i in range(2):
+        hf.check(run.resid[i], 1e-3, lambda r, i=i: r.resid[i], f"clamped resid[{i}]")
+    # over the prompt (the same tokens either way) block 2's output is the first clamp of the plain stream
+    n = len(run.prompt_ids[0])
+    x = plain.resid[0][0, :n]
+    want = x + sae.clamp_delta(x, torch.tensor([on, off]), torch.tensor([0.0, 6.0]))
+    torch.testing.assert_close(run.resid[0][0, :n], want, rtol=1e-5, atol=1e-5)
+    assert (run.resid[0][0, :n] - x).norm(dim=-1).min() > 0.1

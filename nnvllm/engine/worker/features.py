@@ -37,6 +37,25 @@ def _member_key(spec: dict, device) -> tuple:
     return (spec["path"], mtime, spec["site"], spec["layer"], spec["dtype"], str(device))
 
 
+# member key -> the SAE of a clamp edit (nv.Edit.clamp), on the device: the last call's only.
+_EDIT_SAES: dict[tuple, Any] = {}
+
+
+def edit_saes(specs: list[dict], device) -> list[Any]:
+    """The SAEs the clamp edits of a call name (``{"path", "site", "layer", "dtype"}`` each), on
+    ``device``: read once, kept while the next call names them too."""
+    from ...sae import SAE
+
+    keys = [_member_key(s, device) for s in specs]
+    kept = {k: _EDIT_SAES[k] for k in keys if k in _EDIT_SAES}
+    for k, s in zip(keys, specs):
+        if k not in kept:
+            kept[k] = SAE.load(s["path"], site=s["site"], layer=s["layer"], dtype=s["dtype"], device=device)
+    _EDIT_SAES.clear()
+    _EDIT_SAES.update(kept)
+    return [kept[k] for k in keys]
+
+
 class _Group:
     """SAEs of one kind, one site and one output form, encoded together."""
 

@@ -137,13 +137,20 @@ class _Taps:
 
     def arm_edits(self, edits: list[dict]) -> None:
         """Edits for the next generation (:func:`nnvllm.edits.to_spec`): ``{"site", "layers", "op":
-        add|set|scale|patch, "vector" (list) or None, "values" ([layer, pos, width] lists, patch) or
-        None, "value", "scale", "positions": all|prompt|generated}``. Eager steps make them in the
+        add|set|scale|patch|clamp, "vector" (list) or None, "values" ([layer, pos, width] lists, patch) or
+        None, "value", "scale", "positions": all|prompt|generated}``; a clamp also names its SAE
+        (``"sae"``: its folder, read here) and ``"clamp"``: ``[feature, value]`` pairs. Eager steps make them in the
         hooks; if :meth:`replayable`, their sum per layer also goes into :attr:`gadd` for replays."""
+        from .features import edit_saes
+
         armed = []
+        saes = iter(edit_saes([e["sae"] for e in edits if e["op"] == "clamp"], self.device))
         for e in edits:
             vec, vals = e.get("vector"), e.get("values")
             pr, at = e.get("prompts"), e["positions"]
+            if e["op"] == "clamp":  # the SAE on the device, the features and the values they are set to
+                fv = torch.tensor(e["clamp"], dtype=torch.float64, device=self.device)
+                e = {**e, "sae_obj": next(saes), "feats": fv[:, 0].long(), "to": fv[:, 1].float()}
             armed.append({**e, "layers": {j: k for k, j in enumerate(e["layers"])},
                           "at": torch.tensor(at, dtype=torch.int64, device=self.device) if isinstance(at, list) else None,
                           "prompts": None if pr is None else torch.tensor(pr, dtype=torch.int64, device=self.device),
@@ -211,11 +218,14 @@ class _Taps:
                 m = inside if m is None else (m & inside)
             elif op == "add":
                 new = x + (vec * e["scale"]).to(x.dtype)
+            elif op == "clamp":  # the SAE reads the whole stream; its delta goes where add's vector goes
+                stream = (x + residual) if residual is not None else x
+                new = x + e["sae_obj"].clamp_delta(stream, e["feats"], e["to"]).to(x.dtype)
             elif op == "set":
                 new = (vec.to(x.dtype).expand_as(x) if vec is not None else torch.full_like(x, float(e["value"])))
             else:  # scale
                 new = ((x + residual) if residual is not None else x) * e["scale"]
-            if residual is not None and op != "add":  # the edited value is the whole stream
+            if residual is not None and op not in ("add", "clamp"):  # the edited value is the whole stream
                 residual.copy_(torch.zeros_like(residual) if m is None else residual.masked_fill(m[:, None], 0))
             x.copy_(new if m is None else torch.where(m[:, None], new, x))
 
