@@ -11,10 +11,14 @@ dataset, in the format of :mod:`nnvllm.shards` (the same ``index.json`` and shar
   a Ray cluster; the actor generates and writes its own shards into ``out``, which must be the same
   path on every node (shared storage), and replies with the shard's index entry only.
 
-How the work is dealt out (:func:`fan_out`): the prompts not yet collected are cut into chunks (of
-``batch_size``, or sized from ``memory_budget`` as :func:`nnvllm.collect` does, and no larger than
-an even share of what is left), each engine has two chunks in flight (it generates one while the
-shard of the other is written), and a chunk goes to whichever engine is free first. The driver
+How the work is dealt out (:func:`fan_out`): the prompts not yet collected are cut once into
+chunks of one size (``batch_size``, or sized from ``memory_budget`` as :func:`nnvllm.collect` does,
+and no more than ``1 / (2 x engines)`` of them, so every engine gets work), each engine has two
+chunks in flight (it generates one while the shard of the other is written; the first two rounds
+are dealt one chunk per engine at a time), and the next chunk goes to whichever engine finishes
+one first. With local engines the memory budget is shared by all of their chunks in flight; a Ray
+actor's chunks are in its own process, each under the whole budget. Same numbers as one engine
+(below) whatever the chunks: a request's numbers do not depend on its chunk. The driver
 (this process) is the only one that writes ``index.json``: a shard is listed once its file is
 complete, under a name the driver gave it, so two engines never write the same file.
 
