@@ -34,6 +34,7 @@ from nnvllm.views import (
 from nnvllm.widgets import (
     CompareView,
     EngineClosed,
+    FeatureExplorer,
     LensExplorer,
     LiveGeneration,
     PatchExplorer,
@@ -526,6 +527,56 @@ def test_live_generation_streams_and_stops(toy):
     assert done.status.value == "done: 3 token(s)" and len(done.steps) >= 1 and done.last_error is None
     with pytest.raises(ValueError, match="pace"):
         LiveGeneration(toy, "x", pace=-1)
+
+
+def test_feature_explorer_lists_a_tokens_features_and_shades_where_one_fires(toy, tmp_path):
+    """FeatureExplorer on the engine: a token's listed features are the SAE's encoding of the residual
+    stream vLLM computed there (encoded on the client from a plain capture), strongest first; picking
+    one shades the text by its activation at every token; a typed feature id is drawn too."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 48, generator=g) / 4
+    cfg = {"architecture": "standard", "d_in": 64, "d_sae": 48, "dtype": "float32",
+           "metadata": {"hook_name": "blocks.3.hook_resid_post"}}
+    nv.SAE.from_state(cfg, {"W_enc": w, "W_dec": w.T.contiguous(), "b_enc": torch.zeros(48),
+                            "b_dec": torch.zeros(64)}).save(tmp_path / "sae")
+    sae = nv.SAE.load(tmp_path / "sae")
+    ex = FeatureExplorer(toy, CLEAN, sae, max_tokens=3, k=8)
+    assert ex.last_error is None and ex.run.text[0].startswith(" Paris") and ex.png is not None
+    assert ex.widget._dom_classes == ("nnvllm-features",) and ex.token._dom_classes == ("nnvllm-token",)
+    n = ex.run.positions(0)  # 5 prompt tokens, then the generated ones fed back
+    assert ex.position == 4 and [p for _, p in ex.token.options] == list(range(n))
+    code = sae.encode(nv.generate(toy, CLEAN, max_tokens=3, layers=[3]).resid[0][0])  # [pos, d_sae]
+
+    ex.token.value = 3  # ' France'
+    listed = [f for _, f in ex.features.options]
+    want = code[3].topk(8)
+    assert len(listed) == int((want.values > 0).sum())
+    for f, a in zip(listed, want.values):  # strongest first, each the client's value within fp32 rounding
+        assert float(code[3, f]) == pytest.approx(float(a), abs=1e-3)
+    assert ex.feature.value == listed[0] and ex.drawn == {"pos": 3, "feature": listed[0]}
+    assert "' France'" in ex.table.value.replace("&#x27;", "'") and ex.table.value.count("<tr data-feature=") == len(listed)
+
+    ex.features.value = listed[2]  # pick the third: the text is shaded where it fires
+    f = listed[2]
+    assert ex.feature.value == f and ex.drawn == {"pos": 3, "feature": f}
+    kept = code.topk(8, dim=-1).indices.eq(f).any(-1)  # positions where f is among the top 8
+    assert torch.allclose(ex.activations, torch.where(kept, code[:, f], 0.0), atol=1e-3)
+    spans = ex.text.value.split("<span data-pos=")[1:]
+    assert len(spans) == n and "outline:" in spans[3]
+    assert [float(s.split("data-activation='")[1].split("'")[0]) for s in spans] == pytest.approx(
+        ex.activations.tolist(), abs=1e-3)
+    assert f"feature {f} fires on {int((ex.activations > 0).sum())} of {n} tokens" in ex.status.value
+    draws = ex.draws
+    ex.feature.value = 47  # any feature, typed: drawn as a row of its own
+    assert ex.draws == draws + 1 and ex.drawn == {"pos": 3, "feature": 47} and ex.last_error is None
+
+    ex.prompt.value = "The capital of Italy is"
+    ex.run_button.click()
+    assert ex.run.text[0].startswith(" Rome") and ex.position == 4 and ex.last_error is None
+    with pytest.raises(TypeError, match="needs an SAE"):
+        FeatureExplorer(toy, CLEAN, str(tmp_path / "sae"))
+    with pytest.raises(ValueError, match="k=0"):
+        FeatureExplorer(toy, CLEAN, sae, k=0)
 
 
 def test_explorers_after_the_engine_is_closed(toy):

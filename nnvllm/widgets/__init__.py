@@ -11,7 +11,8 @@ the result attributes (``lens``, ``result``, ``run``, ``discrepancy``), the tabl
 (``.table.value``) and the last drawn image (``.png``, PNG bytes).
 
 This package is the only part of nnvllm that imports ipywidgets (``base``: what every explorer
-shares; ``explorers``: lens, samples, patching, compare; ``live``: a generation as it runs). What the widgets show (tables, HTML, figures) is
+shares; ``explorers``: lens, samples, patching, compare; ``live``: a generation as it runs;
+``features``: SAE features over a generation). What the widgets show (tables, HTML, figures) is
 computed by the pure functions of :mod:`nnvllm.views`, tested without a notebook; the analyses
 they run are nnvllm's verbs (``nv.logit_lens``, ``nv.patch``, ``nv.compare``, ``nv.stream``).
 
@@ -23,7 +24,8 @@ Example::
 
 from .base import EngineClosed
 from .explorers import LENS_TOP_K, CompareView, LensExplorer, PatchExplorer, SamplesExplorer
+from .features import FeatureExplorer
 from .live import LiveGeneration
 
-__all__ = ["LENS_TOP_K", "CompareView", "EngineClosed", "LensExplorer", "LiveGeneration", "PatchExplorer",
-           "SamplesExplorer"]
+__all__ = ["LENS_TOP_K", "CompareView", "EngineClosed", "FeatureExplorer", "LensExplorer", "LiveGeneration",
+           "PatchExplorer", "SamplesExplorer"]
