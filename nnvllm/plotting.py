@@ -221,11 +221,13 @@ def plot_lens(lens, ax=None, *, annotate: bool = True, max_positions: int = 40, 
 
     if annotate:
         fit = _CellFit(ax, n_cols=n_shown, n_rows=n_layer)
+        # A hatched (template) column is lightened, so its labels are dark on any probability.
+        faded = [marked and r == _TEMPLATE for r in roles] if roles is not None else [False] * n_shown
         for j in range(probs.shape[0]):
             for c in range(probs.shape[1]):
                 text, size = fit(show_token(_decode(lens.tokenizer, int(ids[j, c]))))
                 ax.text(c, j, text, ha="center", va="center", fontsize=size, linespacing=1.0,
-                        color="white" if probs[j, c] > 0.5 else "black")
+                        color="white" if probs[j, c] > 0.5 and not faded[c] else "black")
 
     ax.set_xlabel("position (input token)" + (f", last {len(shown)} of {n_pos}" if start else "")
                   + ("; hatched: chat template" if marked and _TEMPLATE in roles else ""))

@@ -520,6 +520,12 @@ def test_plot_lens_hatches_the_template_and_names_each_role():
     assert ticks[8].get_color() == "tab:red"  # generated positions keep their colour
     assert ax.get_xlabel().endswith("hatched: chat template") and title_pad(ax) > 6
     assert len(ax.texts) == 3 * 10 + 3  # the cells' tokens and the three role names
+    colours: dict[int, set] = {}
+    for t in ax.texts:
+        if t.get_gid() is None:
+            colours.setdefault(round(t.get_position()[0]), set()).add(t.get_color())
+    assert colours[0] == colours[3] == colours[7] == {"black"}  # lightened columns: dark labels
+    assert colours[4] == {"white"}  # a user column of probabilities > 0.5 keeps white labels
 
     # positions="content" draws the messages' positions only (Lens.select), a dotted line where the
     # template's were; the prompt/generated boundary stays where it belongs.
