@@ -485,12 +485,16 @@ def test_ctrl_c_on_an_isolated_engine_is_one_line_and_the_engine_stays_ready(iso
     assert again.tokens == expected.tokens and _same_run(again, expected)
 
     timer = _ctrl_c_in(1.0)
-    with pytest.raises(Interrupted, match="the trace was interrupted"):
+    # KeyboardInterrupt, not Interrupted, in raises(): a signal that landed anywhere else fails this
+    # test below instead of escaping it (pytest takes a stray KeyboardInterrupt for the whole run's).
+    with pytest.raises(KeyboardInterrupt) as stopped:
         with iso.trace(temperature=0.0, max_tokens=50, ignore_eos=True) as tracer:
-            for p in prompts[:64]:
+            for p in prompts[:128]:
                 with tracer.invoke(p):
                     pass
         time.sleep(30)
     timer.cancel()
+    assert isinstance(stopped.value, Interrupted) and "the trace was interrupted" in str(stopped.value), repr(
+        stopped.value)
     h, lg = _trace(iso, CLEAN)
     assert int(lg.argmax()) == expected.tokens[0][0] and torch.equal(h, _trace(iso, CLEAN)[0])

@@ -69,8 +69,13 @@ def verbose() -> bool:
     return os.environ.get("NNVLLM_VERBOSE", "").strip().lower() not in ("", "0", "false")
 
 
+_SAVED: list[logging.Handler] = []  # vLLM's own handlers, put back under NNVLLM_VERBOSE=1
+_SET_ENV: list[str] = []  # the environment variables set here (and so unset again when verbose)
+
+
 def route_vllm_logs() -> None:
-    """Send vLLM's log records to :data:`ENGINE_LOG` instead of the notebook (idempotent).
+    """Send vLLM's log records to :data:`ENGINE_LOG` instead of the notebook (idempotent); under
+    ``NNVLLM_VERBOSE=1``, give vLLM its own logging back.
 
     vLLM configures its logger again whenever an engine starts (a ``dictConfig`` that would put its
     own handler back), so its configuring is turned off (``VLLM_CONFIGURE_LOGGING=0``, unless the
@@ -78,9 +83,12 @@ def route_vllm_logs() -> None:
     logging as usual: its output goes to its own log file.
     """
     if verbose():
+        _unroute()
         return
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    for name, value in (("VLLM_LOGGING_LEVEL", "WARNING"), ("VLLM_CONFIGURE_LOGGING", "0")):
+        if name not in os.environ:
+            os.environ[name] = value
+            _SET_ENV.append(name)
     import vllm.logger  # noqa: F401 - configured already if vLLM was imported before: replaced below
 
     logger = logging.getLogger("vllm")
@@ -88,10 +96,25 @@ def route_vllm_logs() -> None:
         return
     for h in list(logger.handlers):
         logger.removeHandler(h)
+        _SAVED.append(h)
     logger.addHandler(ENGINE_LOG)
     logger.propagate = False
     if os.environ["VLLM_LOGGING_LEVEL"].upper() == "WARNING":
         logger.setLevel(logging.WARNING)
+
+
+def _unroute() -> None:
+    """Undo :func:`route_vllm_logs`: vLLM's handlers and environment as vLLM would have them."""
+    while _SET_ENV:
+        os.environ.pop(_SET_ENV.pop(), None)
+    logger = logging.getLogger("vllm")
+    if ENGINE_LOG not in logger.handlers:
+        return
+    logger.removeHandler(ENGINE_LOG)
+    if not _SAVED:  # vLLM was first imported with its configuring off: a handler as vLLM's default
+        _SAVED.append(logging.StreamHandler(sys.stdout))
+    while _SAVED:
+        logger.addHandler(_SAVED.pop(0))
 
 
 # Warnings that vLLM, torch and transformers raise while an engine starts or runs are about their
