@@ -19,8 +19,10 @@ tensors are what memory-mapping and row batches want.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -232,6 +234,36 @@ def _shard_problem(path: Path, entry: dict, checksum: bool = True) -> str | None
         except OSError as e:
             return f"cannot be read ({e.strerror or e})"
     return None
+
+
+# ---------------------------------------------------------------- resuming a collection
+
+
+def _settings_diff(old: dict, new: dict) -> list[str]:
+    return [f"{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
+
+
+def _drop_bad_shards(out: Path, index: dict, fsync: bool) -> None:
+    """On resume: every listed shard is checked (size and sha256: one read of each); a missing or
+    damaged one is removed with its index entry, so that its requests are collected again."""
+    bad = [(e, why) for e in index["shards"] if (why := _shard_problem(out / e["file"], e)) is not None]
+    if not bad:
+        return
+    for e, _ in bad:
+        (out / e["file"]).unlink(missing_ok=True)
+        index["shards"].remove(e)
+    _write_index(out, index, fsync)
+    warnings.warn(f"out={str(out)!r}: " + "; ".join(f"{e['file']} {why}" for e, why in bad)
+                  + f"; its {sum(len(e['requests']) for e, _ in bad)} request(s) are collected again",
+                  UserWarning, stacklevel=3)
+
+
+def _layers_setting(layers) -> Any:
+    if layers is None or isinstance(layers, str):
+        return layers
+    return [layers] if isinstance(layers, int) else [int(x) for x in layers]
+
 
 
 # ---------------------------------------------------------------- chunk size from a memory budget

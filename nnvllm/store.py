@@ -23,11 +23,9 @@ import json
 import os
 import re
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,6 +35,7 @@ from ._validate import parse_bytes
 from .shards import (FORMAT, IN_FLIGHT, INDEX, LOGITS, SHARD_FORMAT, WRITERS, _config_int, _engine,
                      _estimate_pos_bytes, _facts, _index_facts, _next_chunk, _policy, _pos_bytes, _prompt_tokens,
                      _read_index, _request_bytes, _shard_problem, _write_index, write_shard)
+from .shards import _drop_bad_shards, _layers_setting, _settings_diff
 from .shards import _engine_facts  # noqa: F401  (read as store._engine_facts by the tests)
 
 __all__ = ["FORMAT", "INDEX", "LOGITS", "SHARD_FORMAT", "Dataset", "Record", "collect", "open", "parse_bytes",
@@ -44,32 +43,6 @@ __all__ = ["FORMAT", "INDEX", "LOGITS", "SHARD_FORMAT", "Dataset", "Record", "co
 
 
 # ---------------------------------------------------------------- collect
-
-
-def _settings_diff(old: dict, new: dict) -> list[str]:
-    return [f"{k}: {old.get(k)!r} there, {new.get(k)!r} here" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k)]
-
-
-def _drop_bad_shards(out: Path, index: dict, fsync: bool) -> None:
-    """On resume: every listed shard is checked (size and sha256: one read of each); a missing or
-    damaged one is removed with its index entry, so that its requests are collected again."""
-    bad = [(e, why) for e in index["shards"] if (why := _shard_problem(out / e["file"], e)) is not None]
-    if not bad:
-        return
-    for e, _ in bad:
-        (out / e["file"]).unlink(missing_ok=True)
-        index["shards"].remove(e)
-    _write_index(out, index, fsync)
-    warnings.warn(f"out={str(out)!r}: " + "; ".join(f"{e['file']} {why}" for e, why in bad)
-                  + f"; its {sum(len(e['requests']) for e, _ in bad)} request(s) are collected again",
-                  UserWarning, stacklevel=3)
-
-
-def _layers_setting(layers) -> Any:
-    if layers is None or isinstance(layers, str):
-        return layers
-    return [layers] if isinstance(layers, int) else [int(x) for x in layers]
 
 
 def collect(
