@@ -10,21 +10,41 @@ each request starts)::
     sae_errors/<s>       [total_pos]            the norm of the site's value minus the SAE's decode
 
 ``index.json``'s settings describe each SAE (:func:`describe`: its site, layer, architecture,
-widths, hook name, ``k`` or dense, and the sha256 of its weights file), so that resuming a
-collection with another SAE is refused rather than mixed into the dataset.
+widths, hook name, ``k`` or dense, and a fingerprint of its files: :func:`fingerprint`), so that
+resuming a collection with another SAE is refused rather than mixed into the dataset.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .results import Pieces, Run, file_digest
-from .sae import WEIGHTS_FILENAME
+from .results import Pieces, Run
+from .sae import CFG_FILENAME, WEIGHTS_FILENAME
 
-__all__ = ["check", "describe", "pos_bytes", "read", "shard_tensors"]
+__all__ = ["check", "describe", "fingerprint", "pos_bytes", "read", "shard_tensors"]
+
+_BLOCKS, _BLOCK = 64, 16 << 10
+
+
+def fingerprint(folder: str | Path) -> str:
+    """sha256 of an SAE folder's ``cfg.json``, its weights file's size and 64 blocks of 16 KiB spread
+    over that file (its header first). Two different SAEs differ there (another config, or other
+    weights, which differ all over the file), and it reads 1 MiB where a whole release of
+    16k-feature SAEs is gigabytes, which hashing in full would add to every collect call."""
+    folder = Path(folder)
+    h = hashlib.sha256((folder / CFG_FILENAME).read_bytes())
+    weights = folder / WEIGHTS_FILENAME
+    size = weights.stat().st_size
+    h.update(str(size).encode())
+    with weights.open("rb") as f:
+        for k in range(_BLOCKS):
+            f.seek(k * max(0, size - _BLOCK) // (_BLOCKS - 1))
+            h.update(f.read(_BLOCK))
+    return h.hexdigest()
 
 
 def check(saes, model, k: int, dense: bool) -> list[dict]:
@@ -43,7 +63,7 @@ def describe(saes: list, specs: list[dict]) -> list[dict]:
     (:func:`nnvllm.sae_group.resolve`)."""
     return [{"site": x.site, "layer": x.layer, "architecture": x.architecture, "d_in": x.d_in, "d_sae": x.d_sae,
              "hook_name": x.hook_name, "k": sp["k"], "dtype": sp["dtype"],
-             "weights_sha256": file_digest(Path(sp["path"]) / WEIGHTS_FILENAME)} for x, sp in zip(saes, specs)]
+             "fingerprint": fingerprint(sp["path"])} for x, sp in zip(saes, specs)]
 
 
 def pos_bytes(described: list[dict]) -> int:

@@ -101,6 +101,14 @@ def test_collect_writes_the_features_generate_finds(toy, saes, tmp_path):
     assert plain[0].features == [] and plain[0].sae_errors == [] and "saes" not in plain.settings
 
 
+def test_an_sae_fingerprint_tells_saes_apart(tmp_path):
+    from nnvllm.sae_data import fingerprint
+
+    one, same, other = _sae("standard", seed=1), _sae("standard", seed=1), _sae("standard", seed=2)
+    prints = [fingerprint(x.save(tmp_path / str(k))) for k, x in enumerate((one, same, other))]
+    assert prints[0] == prints[1] != prints[2]  # same config, other weights: told apart
+
+
 def test_collect_refuses_saes_that_do_not_fit(toy, saes, tmp_path):
     with pytest.raises(ValueError, match=r"sae_k=0; expected an int in 1..128"):
         nv.collect(toy, PROMPTS, tmp_path / "a", saes=[saes["standard"]], sae_k=0, progress=False)
