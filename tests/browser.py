@@ -320,6 +320,21 @@ def run_all(page, *, timeout: float = 300.0) -> float:
 # -------------------------------------------------------------------------------------- widgets
 
 
+def cell_output(page, contains: str) -> str:
+    """The text shown under the (first) code cell whose source contains ``contains``."""
+    return page.evaluate(
+        """needle => {
+            for (const cell of document.querySelectorAll('.jp-Notebook .jp-CodeCell')) {
+                const src = cell.querySelector('.jp-InputArea-editor');
+                if (src && src.innerText.includes(needle)) {
+                    const out = cell.querySelector('.jp-OutputArea');
+                    return out ? out.innerText : '';
+                }
+            }
+            return null;
+        }""", contains)
+
+
 def widget(page, css_class: str):
     """The (first) widget element carrying ``css_class`` (set in Python with ``w.add_class(...)``)."""
     return page.locator(f".jp-Notebook .{css_class}").first

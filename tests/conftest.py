@@ -49,17 +49,21 @@ def pytest_collection_modifyitems(config, items):
 def _notebooks_run_in_the_browser(config, items) -> None:
     """Leave out nbmake's run of a notebook that a browser test of this session runs whole.
 
-    tests/test_browser.py::test_lens_notebook_in_browser runs notebooks/01 with Run All in JupyterLab
-    and fails unless every cell ran without an error (``browser.run_all``), as nbmake does, then uses
-    its widget. Both in one session (make test) would run the notebook twice, each in a kernel of its
-    own that imports vLLM and starts an engine: ~25 CPU-s of the 2-core box. Where the
-    browser test cannot run (no chromium or playwright, or deselected), nbmake's run stays.
+    tests/test_browser.py runs notebooks 01, 05 and 06 with Run All in JupyterLab
+    (``BROWSER_NOTEBOOKS``) and fails unless every cell ran without an error (``browser.run_all``), as
+    nbmake does, then uses their widgets. Both in one session (make test) would run each notebook twice,
+    each in a kernel of its own that imports vLLM and starts an engine. Where the browser test cannot
+    run (no chromium or playwright, or deselected), nbmake's run stays.
     """
-    test = next((i for i in items if i.nodeid.endswith("test_browser.py::test_lens_notebook_in_browser")), None)
-    if test is None or test.module.browser.missing_requirements():
+    tests = [i for i in items if "test_browser.py::" in i.nodeid]
+    if not tests or tests[0].module.browser.missing_requirements():
         return
-    notebook = test.module.LENS_NOTEBOOK  # "notebooks/01_logit_lens.ipynb"
-    gone = [i for i in items if i.nodeid.split("::", 1)[0].endswith(notebook)]
+    chosen = {i.nodeid.rsplit("::", 1)[1] for i in tests}
+    notebooks = set()
+    for name, nbs in tests[0].module.BROWSER_NOTEBOOKS.items():
+        if name in chosen:
+            notebooks |= {nbs} if isinstance(nbs, str) else set(nbs)
+    gone = [i for i in items if any(i.nodeid.split("::", 1)[0].endswith(nb) for nb in notebooks)]
     if gone:
         config.hook.pytest_deselected(items=gone)
         items[:] = [i for i in items if i not in gone]
@@ -81,7 +85,7 @@ SPLIT_BY_CASE = ("tests/test_families.py",)
 SHARED_ENGINE_FILES = (
     "test_vllm.py", "test_edits.py", "test_stream.py", "test_engine.py", "test_widgets.py", "test_store.py",
     "test_analyses.py", "test_capture.py", "test_bad_input.py", "test_bad_input_more.py", "test_interrupt.py",
-    "test_analyses_llama.py", "test_heads.py", "test_reliability.py", "test_sae.py",
+    "test_analyses_llama.py", "test_heads.py", "test_reliability.py", "test_sae.py", "test_sae_collect.py",
 )
 SHARED_UNIT = "tests/(shared engines)"
 
@@ -100,13 +104,16 @@ def _shares(path) -> bool:
 # test_isolated_lifecycle.py's 3 tests (~150 s) to the end, one worker running them alone. A file not
 # listed counts as 0 s and goes last; re-measure when a file's cost moves.
 FILE_SECONDS = {
-    "test_isolated.py": 200, "test_browser.py": 120, "test_isolated_lifecycle.py": 100, "test_families.py": 120,
+    "test_isolated.py": 200, "test_browser.py": 300, "test_isolated_lifecycle.py": 100, "test_families.py": 120,
     "05_several_models.ipynb": 80, "04_discrepancies.ipynb": 45, "test_engine.py": 45, "test_docs.py": 40,
     "test_edits.py": 42, "test_capture.py": 35, "02_sampled_tokens.ipynb": 32, "06_steering.ipynb": 32,
     "test_capture_scheduling.py": 32, "01_logit_lens.ipynb": 30, "03_activation_patching.ipynb": 28,
     "test_bad_input_more.py": 25, "test_pure.py": 22, "test_engines_list.py": 22, "test_compat.py": 20,
     "test_bad_input.py": 20, "test_widgets.py": 19, "test_analyses_llama.py": 15,
     "test_stream.py": 12, "test_analyses.py": 12, "test_store.py": 11, "test_interrupt.py": 10, "test_vllm.py": 8,
+    "test_reliability_engine.py": 260, "test_distributed.py": 140, "test_chat.py": 70, "test_sae.py": 110,
+    "test_heads.py": 65, "test_sae_collect.py": 40, "test_reliability.py": 20, "07_heads.ipynb": 45,
+    "08_features.ipynb": 55,
 }
 
 

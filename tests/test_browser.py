@@ -22,6 +22,12 @@ import browser  # tests/browser.py, the harness
 REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "build" / "test-artifacts"
 LENS_NOTEBOOK = "notebooks/01_logit_lens.ipynb"
+# Notebooks this file runs whole with Run All (nbmake's run of them is left out in the same session:
+# tests/conftest.py): the lens notebook, and the two whose explorers must answer after Run All.
+SEVERAL_NOTEBOOK = "notebooks/05_several_models.ipynb"
+STEERING_NOTEBOOK = "notebooks/06_steering.ipynb"
+BROWSER_NOTEBOOKS = {"test_lens_notebook_in_browser": LENS_NOTEBOOK,
+                     "test_explorers_answer_after_run_all": (SEVERAL_NOTEBOOK, STEERING_NOTEBOOK)}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +42,8 @@ def lab(tmp_path_factory):
         print(f"skipping browser test: {why}")
         pytest.skip(why)
     root = tmp_path_factory.mktemp("lab")
-    shutil.copy(REPO / LENS_NOTEBOOK, root / Path(LENS_NOTEBOOK).name)
+    for nb in (LENS_NOTEBOOK, SEVERAL_NOTEBOOK, STEERING_NOTEBOOK):
+        shutil.copy(REPO / nb, root / Path(nb).name)
     with browser.jupyterlab(root) as server, browser.chromium() as ctx:
         yield server, ctx
 
@@ -63,6 +70,7 @@ def _drive(lab, notebook: str, shot: Path, prompt: str | None = None, cells: lis
     t0 = time.monotonic()
     with opened(lab, notebook, cells) as page:
         run_s = browser.run_all(page)
+        loaded = browser.cell_output(page, "nv.load(")
         assert browser.widget(page, "nnvllm-lens").is_visible(), "explorer (.nnvllm-lens) not rendered"
         before_value = browser.slider_readout(page, "nnvllm-layer")
         before = browser.img_src(page, "nnvllm-plot")
@@ -85,6 +93,7 @@ def _drive(lab, notebook: str, shot: Path, prompt: str | None = None, cells: lis
         "after_value": after_value,
         "changed": after != before,
         "ran_after_run_all": ran,
+        "load_cell": loaded,
     }
     print(f"{notebook}: {seen}")
     return seen
@@ -96,6 +105,43 @@ def test_lens_notebook_in_browser(lab):
     assert seen["changed"], "plot did not redraw after ArrowRight on the layer slider"
     assert seen["after_value"] != seen["before_value"]
     assert seen["ran_after_run_all"], "the explorer's Run button did not redraw after Run All (engine closed?)"
+    _assert_quiet_load(seen["load_cell"])
+
+
+def _assert_quiet_load(shown: str | None) -> None:
+    """A load cell shows nnvllm's one line (model, engine, memory) and nothing of vLLM's start-up."""
+    assert shown is not None, "no cell calls nv.load("
+    lines = [ln for ln in shown.splitlines() if ln.strip()]
+    assert 1 <= len(lines) <= 3 and lines[0].startswith("nnvllm: "), f"the load cell shows {len(lines)} lines: {shown[:800]}"
+    assert "WARNING" not in shown and "[rank" not in shown, shown[:800]
+
+
+@pytest.mark.browser
+def test_explorers_answer_after_run_all(lab):
+    """Notebooks 05 and 06, Run All, then their explorers are used: 05's LensExplorer runs a new prompt
+    on the engine, 06's LiveGeneration replays (the engines stay open after Run All), and their load
+    cells show one line each."""
+    seen = _drive(lab, Path(SEVERAL_NOTEBOOK).name, ARTIFACTS / "several_models.png", prompt="The capital of Italy is")
+    assert seen["ran_after_run_all"], "05's explorer did not answer after Run All (engine closed?)"
+    _assert_quiet_load(seen["load_cell"])
+    with opened(lab, Path(STEERING_NOTEBOOK).name) as page:
+        browser.run_all(page)
+        _assert_quiet_load(browser.cell_output(page, "nv.load("))
+        status = browser.widget(page, "nnvllm-live-status")
+        page.wait_for_function(
+            "sel => { const e = document.querySelector(sel); return e && /^done: /.test(e.innerText.trim()); }",
+            arg=".jp-Notebook .nnvllm-live-status", timeout=120_000, polling=200)
+        browser.click_button(page, "nnvllm-live", "Replay")
+        page.wait_for_function(
+            "sel => { const e = document.querySelector(sel); return e && /^(generating|done: )/.test(e.innerText.trim())"
+            " && !document.querySelector('.jp-Notebook .nnvllm-live .nnvllm-error')?.innerText.trim(); }",
+            arg=".jp-Notebook .nnvllm-live-status", timeout=60_000, polling=100)
+        page.wait_for_function(
+            "sel => { const e = document.querySelector(sel); return e && /^done: /.test(e.innerText.trim()); }",
+            arg=".jp-Notebook .nnvllm-live-status", timeout=120_000, polling=200)
+        final = status.inner_text().strip()
+        browser.screenshot(page, ARTIFACTS / "steering_replay.png", css_class="nnvllm-live")
+    assert final.startswith("done: "), final
 
 
 HARNESS_CELLS = [
