@@ -204,23 +204,31 @@ def feature_summary(run, sae: int = 0, *, n: int = 10, request: int | None = Non
         raise ValueError(f"n={n!r}: expected a positive int (rows to show) or None for every feature")
     sae = _check(run, 0, sae)[1]
     requests = range(len(run.features[sae])) if request is None else [_check(run, request, sae)[0]]
-    best: dict[int, list] = {}  # feature -> [max, request, pos, count, sum]
+    columns = ["feature", "max_activation", "request", "pos", "token", "fires", "mean_activation"]
+    # Every (request, pos, feature, value) that fires, at once: one pass in torch, not one per entry.
+    found = []
     for i in requests:
         ids, values = request_features(run, i, sae)
-        on = values > 0
-        for f, v, p in zip(ids[on].tolist(), values[on].tolist(), on.nonzero()[:, 0].tolist()):
-            b = best.setdefault(f, [0.0, i, p, 0, 0.0])
-            if v > b[0]:
-                b[0], b[1], b[2] = v, i, p
-            b[3] += 1
-            b[4] += v
-    order = sorted(best, key=lambda f: (-best[f][0], f))[:n]
-    labels = {i: token_labels(run, i, tokenizer) for i in {best[f][1] for f in order}}
-    rows = [{"feature": f, "max_activation": best[f][0], "request": best[f][1], "pos": best[f][2],
-             "token": labels[best[f][1]][best[f][2]], "fires": best[f][3], "mean_activation": best[f][4] / best[f][3]}
-            for f in order]
-    return pd.DataFrame(rows, columns=["feature", "max_activation", "request", "pos", "token", "fires",
-                                       "mean_activation"])
+        on = (values > 0).nonzero()
+        found.append((torch.full((len(on),), i), on[:, 0], ids[on[:, 0], on[:, 1]], values[on[:, 0], on[:, 1]]))
+    if not found or not sum(len(r) for r, *_ in found):
+        return pd.DataFrame([], columns=columns)
+    req, pos, ids, values = (torch.cat(x) for x in zip(*found))
+    width = int(ids.max()) + 1
+    top = torch.zeros(width).scatter_reduce(0, ids, values, "amax")
+    fires = torch.bincount(ids, minlength=width)
+    total = torch.bincount(ids, weights=values.double(), minlength=width)
+    order = sorted((f for f in range(width) if fires[f]), key=lambda f: (-float(top[f]), f))[:n]
+    rows, labels = [], {}
+    for f in order:
+        at = int(((ids == f) & (values == top[f])).nonzero()[0, 0])  # the first place it is strongest
+        i, p = int(req[at]), int(pos[at])
+        if i not in labels:
+            labels[i] = token_labels(run, i, tokenizer)
+        rows.append({"feature": f, "max_activation": float(top[f]), "request": i, "pos": p,
+                     "token": labels[i][p], "fires": int(fires[f]),
+                     "mean_activation": float(total[f]) / int(fires[f])})
+    return pd.DataFrame(rows, columns=columns)
 
 
 def position_options(run, request: int = 0, tokenizer=None) -> list[tuple[str, int]]:

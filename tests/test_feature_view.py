@@ -145,6 +145,8 @@ def test_feature_summary_ranks_features_by_their_strongest_activation():
     assert len(feature_summary(run, n=2)) == 2
     one = feature_summary(run, request=1, n=None)
     assert set(one["request"]) == {1}
+    run.features[0] = [(ids, torch.zeros_like(values)) for ids, values in run.features[0]]  # nothing fires
+    assert feature_summary(run).empty and token_features(run).empty
 
 
 def test_html_views_show_the_activations_and_escape_the_text():
