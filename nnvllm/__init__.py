@@ -15,8 +15,9 @@ The public verbs, one hop from here:
   of :class:`Step` s: new tokens, their probabilities, the lens top-1 per layer); ``LiveGeneration``
   (``widgets/live.py``) shows it live with Stop and Replay.
 - ``widgets/`` — the notebook explorers (``explorers.py``: lens, samples, patching, compare;
-  ``live.py``: a generation as it runs; ``base.py``: what they share); what they show is computed by
-  the pure functions of ``views.py``.
+  ``live.py``: a generation as it runs; ``features.py``: SAE features over a generation; ``base.py``:
+  what they share); what they show is computed by the pure functions of ``views.py`` and
+  ``views_features.py``.
 - :func:`attribute` (``analyses.py``; math in ``heads.py``) — direct logit attribution to every head,
   MLP and the embedding; ``Run.attention`` rebuilds attention patterns from captured q and k.
 - :class:`SAE` (``sae.py``) — a sparse autoencoder in sae-lens's saved layout (``SAE.load``); pass
