@@ -112,7 +112,11 @@ def _unroute() -> None:
         return
     logger.removeHandler(ENGINE_LOG)
     if not _SAVED:  # vLLM was first imported with its configuring off: a handler as vLLM's default
-        _SAVED.append(logging.StreamHandler(sys.stdout))
+        h = logging.StreamHandler(sys.stdout)
+        h.setFormatter(logging.Formatter(
+            "(%(processName)s pid=%(process)d) %(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+            "%m-%d %H:%M:%S"))
+        _SAVED.append(h)
     while _SAVED:
         logger.addHandler(_SAVED.pop(0))
 
