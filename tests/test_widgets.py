@@ -35,6 +35,7 @@ from nnvllm.widgets import (
     CompareView,
     EngineClosed,
     FeatureExplorer,
+    HeadExplorer,
     LensExplorer,
     LiveGeneration,
     PatchExplorer,
@@ -579,6 +580,62 @@ def test_feature_explorer_lists_a_tokens_features_and_shades_where_one_fires(toy
         FeatureExplorer(toy, CLEAN, sae, k=0)
 
 
+def test_head_explorer_opens_a_head_from_the_map_and_shows_its_pattern_and_attribution(toy):
+    """HeadExplorer on the engine: the map, the pattern and the attribution it shows are Run.attention and
+    nv.attribute of the same generation made here on its own; a click on a map cell opens that head, the
+    strongest-heads list and the step picker drive it; a bad target shows an error and keeps the last result."""
+    ex = HeadExplorer(toy, CLEAN, target=" Paris", versus=" Rome", max_tokens=3)
+    assert ex.last_error is None and ex.run.text[0].startswith(" Paris") and ex.png.startswith(b"\x89PNG")
+    assert ex.widget._dom_classes == ("nnvllm-heads",) and ex.map._dom_classes == ("nnvllm-head-map",)
+    assert ex.layer._dom_classes == ("nnvllm-layer",) and ex.head._dom_classes == ("nnvllm-head",)
+    assert ex.step._dom_classes == ("nnvllm-step",) and ex.plot._dom_classes == ("nnvllm-plot",)
+    run = nv.generate(toy, CLEAN, max_tokens=3, sites=["q", "k", "z", "mlp"])
+    att = nv.attribute(run, target=" Paris", versus=" Rome")
+    steps, n_layers, n_heads = att.heads[0].shape
+    assert ex.run.tokens == run.tokens and [s for _, s in ex.step.options] == list(range(steps))
+    assert len(ex.cells) == n_layers and {len(row) for row in ex.cells} == {n_heads}
+    assert len(ex.map.children) == (n_layers + 1) * (n_heads + 1)  # the head and block labels around the cells
+    assert all(c._dom_classes == ("nnvllm-head-cell",) for row in ex.cells for c in row)
+    shown = torch.tensor([[float(c.description) for c in row] for row in ex.cells])
+    assert torch.allclose(shown, att.heads[0][0], atol=0.006)  # each cell: its head's value, to 2 decimals
+    assert ex.strongest.options[0][1] == att.top_heads(0, 0, 1)[0][:2]
+
+    ex.cells[1][0].click()  # head 1.0: it reads the country into the last position
+    assert (ex.layer.value, ex.head.value) == (1, 0) and ex.drawn == {"step": 0, "layer": 1, "head": 0}
+    assert ex.cells[1][0].layout.border and not ex.cells[0][0].layout.border
+    want = run.attention(1, 0, heads=[0], queries=[len(run.prompt_ids[0]) - 1])[0, 0]
+    assert ex.position == 4 and torch.allclose(ex.pattern, want, atol=1e-5)
+    top = int(want.argmax())
+    assert ex.table.value.split("<tr data-pos='")[1].startswith(f"{top}'")
+    assert top == 3 and "&#x27; France&#x27;" in ex.table.value  # the country, its text shown
+    assert f"adds <b>{float(att.heads[0][0, 1, 0]):+.3f}</b>" in ex.status.value
+    spans = ex.text.value.split("<span data-pos=")[1:]
+    assert [float(x.split("data-weight='")[1].split("'")[0]) for x in spans] == pytest.approx(want.tolist(), abs=1e-3)
+    assert ex.figure.axes[0].get_title().startswith("where head 1.0 looks from position 4")
+
+    label, (layer, head) = ex.strongest.options[1]  # the second strongest, from the list
+    ex.strongest.value = (layer, head)
+    assert (ex.layer.value, ex.head.value) == (layer, head) and ex.drawn["layer"] == layer and ex.drawn["head"] == head
+    assert label.startswith(f"{layer}.{head}: {float(att.heads[0][0, layer, head]):+.3f}")
+
+    draws = ex.draws
+    ex.step.value = 1  # the next token: the map recoloured for it, the query one position on
+    assert ex.draws == draws + 1 and ex.position == 5 and ex.drawn == {"step": 1, "layer": layer, "head": head}
+    shown = torch.tensor([[float(c.description) for c in row] for row in ex.cells])
+    assert torch.allclose(shown, att.heads[0][1], atol=0.006)
+    assert torch.allclose(ex.pattern, run.attention(layer, 0, heads=[head], queries=[5])[0, 0], atol=1e-5)
+    ex.layer.value, ex.head.value = 0, 0  # the sliders open a head too
+    assert ex.drawn == {"step": 1, "layer": 0, "head": 0} and ex.cells[0][0].layout.border
+
+    ex.target.value = " Paris is"  # two tokens: refused, the last result stays on show
+    ex.run_button.click()
+    assert ex.last_error is not None and "target" in ex.error.value and ex.attribution.labels == (" Paris", " Rome")
+    ex.target.value, ex.versus.value = "", ""  # the first generated token's logit alone
+    ex.run_button.click()
+    assert ex.last_error is None and ex.attribution.target == ex.run.tokens[0][0] and ex.attribution.versus is None
+    assert "logit(&#x27; Paris&#x27;) (rank" in ex.status.value
+
+
 def test_explorers_after_the_engine_is_closed(toy):
     """After ``model.close()`` (a notebook's last cell) every explorer stays usable: what re-reads a
     result still redraws, and what needs the engine says "engine closed — re-run the load cell" in
@@ -587,6 +644,7 @@ def test_explorers_after_the_engine_is_closed(toy):
     lens_ex = LensExplorer(toy, CLEAN, max_tokens=3)
     samples_ex = SamplesExplorer(toy, CLEAN, max_tokens=2, temperature=0.0)
     patch_ex = PatchExplorer(toy, CLEAN, CORRUPT, " Paris", " Rome")
+    head_ex = HeadExplorer(toy, CLEAN, max_tokens=2)
     live = LiveGeneration(toy, CLEAN, max_tokens=2)
     live.wait(60)
     kept = live.run
@@ -595,7 +653,9 @@ def test_explorers_after_the_engine_is_closed(toy):
     draws = lens_ex.draws
     lens_ex.layer.value = 1  # re-reads the kept lens: no engine needed
     assert lens_ex.draws == draws + 1 and lens_ex.drawn["layer"] == 1 and lens_ex.error.value == ""
-    for ex in (lens_ex, samples_ex, patch_ex):
+    head_ex.cells[2][1].click()  # re-reads the kept run and attribution
+    assert head_ex.drawn == {"step": 0, "layer": 2, "head": 1} and head_ex.error.value == ""
+    for ex in (lens_ex, samples_ex, patch_ex, head_ex):
         ex.run_button.click()
         assert isinstance(ex.last_error, EngineClosed), ex
         assert "engine closed — re-run the load cell" in ex.error.value and "<details>" not in ex.error.value

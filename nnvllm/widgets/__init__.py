@@ -12,9 +12,11 @@ the result attributes (``lens``, ``result``, ``run``, ``discrepancy``), the tabl
 
 This package is the only part of nnvllm that imports ipywidgets (``base``: what every explorer
 shares; ``explorers``: lens, samples, patching, compare; ``live``: a generation as it runs;
-``features``: SAE features over a generation). What the widgets show (tables, HTML, figures) is
-computed by the pure functions of :mod:`nnvllm.views`, tested without a notebook; the analyses
-they run are nnvllm's verbs (``nv.logit_lens``, ``nv.patch``, ``nv.compare``, ``nv.stream``).
+``features``: SAE features over a generation; ``heads``: attention heads, where they look and what
+they add to a logit). What the widgets show (tables, HTML, figures) is computed by the pure
+functions of :mod:`nnvllm.views` (and ``views_features``, ``views_heads``), tested without a
+notebook; the analyses they run are nnvllm's verbs (``nv.logit_lens``, ``nv.patch``, ``nv.compare``,
+``nv.stream``, ``nv.attribute``).
 
 Example::
 
@@ -25,7 +27,8 @@ Example::
 from .base import EngineClosed
 from .explorers import LENS_TOP_K, CompareView, LensExplorer, PatchExplorer, SamplesExplorer
 from .features import FeatureExplorer
+from .heads import HeadExplorer
 from .live import LiveGeneration
 
-__all__ = ["LENS_TOP_K", "CompareView", "EngineClosed", "FeatureExplorer", "LensExplorer", "LiveGeneration",
-           "PatchExplorer", "SamplesExplorer"]
+__all__ = ["LENS_TOP_K", "CompareView", "EngineClosed", "FeatureExplorer", "HeadExplorer", "LensExplorer",
+           "LiveGeneration", "PatchExplorer", "SamplesExplorer"]
