@@ -21,29 +21,44 @@ _MARK = "#1f77b4"  # the outline of a chosen head or token: blue on the orange s
 _MAP_MARK = "#ff7f0e"  # on the blue-red attribution map, the chosen head is outlined in orange
 
 
-def head_pattern_figsize(n_positions: int, n_heads: int) -> tuple[float, float]:
-    """The figure size (inches) :func:`plot_head_pattern` takes: ~0.45 in per token, 0.4 per head."""
-    return min(26.0, max(5.0, 2.4 + 0.45 * n_positions)), max(1.9, 1.6 + 0.4 * n_heads)
+def head_pattern_figsize(n_positions: int, n_rows: int) -> tuple[float, float]:
+    """The figure size (inches) :func:`plot_head_pattern` takes: ~0.45 in per token, 0.3 per head."""
+    return min(26.0, max(5.0, 2.4 + 0.45 * n_positions)), min(40.0, max(1.9, 1.6 + 0.3 * n_rows))
 
 
-def plot_head_pattern(run, layer: int, head=None, step: int = 0, request: int = 0, *, tokenizer=None, ax=None,
-                      annotate: bool = True, mark_head: int | None = None):
-    """Draw a heat strip of where heads of block ``layer`` look from the query of ``step``: weight per head (y) × token (x).
+def _list(value, every: list[int], name: str) -> list[int]:
+    if value is None:
+        return list(every)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    try:
+        out = list(value)
+    except TypeError:
+        raise TypeError(f"{name}={value!r}: expected an int, a list of ints or None") from None
+    if not out:
+        raise ValueError(f"{name}=[]: expected an int, a list of ints, or None for every one")
+    return out
+
+
+def plot_head_pattern(run, layer=None, head=None, step: int = 0, request: int = 0, *, tokenizer=None, ax=None,
+                      annotate: bool = True, mark: tuple[int, int] | None = None):
+    """Draw a heat strip of where heads look from the query of ``step``: weight per head (y) × token (x).
 
     The query is the position whose logits drew generated token ``step`` (outlined, dotted); the
     tokens after it, which it cannot see, are hatched. Generated tokens (fed back to the model) sit
-    right of a dashed line and have red tick labels. One colour scale, 0 to 1, for every row.
+    right of a dashed line and have red tick labels. One colour scale, 0 to 1, for every row; a thin
+    line between blocks.
 
     Args:
         run: a Run made with ``sites=["q", "k"]``.
-        layer: a captured block index.
-        head: a head, a list of heads (one row each, top to bottom), or None for every head of the block.
+        layer: a captured block index, a list of them, or None for every captured block.
+        head: a head, a list of heads, or None for every head; one row per (block, head), top to bottom.
         step: the generated step whose query is shown.
         request: the request whose text is drawn.
         tokenizer: to label the tokens (default: the run's own).
-        ax: Axes to draw on; a new figure when None (sized to the text).
+        ax: Axes to draw on; a new figure when None (sized to the text and the rows).
         annotate: write each weight of at least 0.01 in its cell.
-        mark_head: outline that head's row.
+        mark: a ``(layer, head)`` whose row to outline.
 
     Returns:
         The Axes.
@@ -51,16 +66,15 @@ def plot_head_pattern(run, layer: int, head=None, step: int = 0, request: int = 
     Example::
 
         plot_head_pattern(run, 1, step=0)            # both heads of block 1 when " Paris" is written
+        plot_head_pattern(run)                       # every head of every captured block
     """
     import matplotlib.pyplot as plt
 
     n_heads = int(run.meta["attention"]["n_heads"]) if "attention" in (run.meta or {}) else 1
-    heads = list(range(n_heads)) if head is None else [head] if isinstance(head, int) and not isinstance(head, bool) \
-        else list(head)
-    heads = [_head(run, layer, h)[1] for h in heads]
-    if not heads:
-        raise ValueError("head=[]: expected a head, a list of heads, or None for every head of the block")
-    weights = torch.stack([head_pattern(run, layer, h, step, request) for h in heads]).numpy()
+    layers = _list(layer, run.layers, "layer")
+    heads = _list(head, list(range(n_heads)), "head")
+    rows = [_head(run, i, h) for i in layers for h in heads]
+    weights = torch.stack([head_pattern(run, i, h, step, request) for i, h in rows]).numpy()
     q = query_position(run, step, request)
     request %= len(run.prompts)
     step = q - (len(run.prompt_ids[request]) - 1)
@@ -87,7 +101,10 @@ def plot_head_pattern(run, layer: int, head=None, step: int = 0, request: int = 
     if prompt_len < n_pos:
         ax.axvline(prompt_len - 0.5, color=_GENERATED_COLOR, linestyle="--", linewidth=1)
     ax.set_yticks(range(n_rows))
-    ax.set_yticklabels([f"head {layer}.{h}" for h in heads], fontsize=8)
+    ax.set_yticklabels([f"head {i}.{h}" for i, h in rows], fontsize=8)
+    for r in range(1, n_rows):
+        if rows[r][0] != rows[r - 1][0]:
+            ax.axhline(r - 0.5, color="#888888", linewidth=0.6)
     if annotate:
         for j in range(n_rows):
             for p in range(q + 1):
@@ -95,10 +112,11 @@ def plot_head_pattern(run, layer: int, head=None, step: int = 0, request: int = 
                     ax.text(p, j, f"{weights[j, p]:.2f}", ha="center", va="center", fontsize=6.5,
                             color="white" if weights[j, p] > 0.6 else "black")
     ax.add_patch(_rect(q - 0.5, -0.5, 1.0, n_rows, ls=":"))
-    if mark_head is not None and mark_head in heads:
-        ax.add_patch(_rect(-0.5, heads.index(mark_head) - 0.5, n_pos, 1.0))
+    if mark is not None and tuple(mark) in rows:
+        ax.add_patch(_rect(-0.5, rows.index(tuple(mark)) - 0.5, n_pos, 1.0))
     ax.set_xlabel("token (position) attended to")
-    who = f"head {layer}.{heads[0]}" if n_rows == 1 else f"block {layer}'s heads"
+    who = (f"head {rows[0][0]}.{rows[0][1]}" if n_rows == 1 else f"block {layers[0]}'s heads" if len(layers) == 1
+           else "the heads")
     tok = tokenizer if tokenizer is not None else getattr(run, "tokenizer", None)
     wrote = run.tokens[request][step]
     wrote = tok.decode([int(wrote)]) if tok is not None else str(int(wrote))

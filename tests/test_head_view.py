@@ -184,7 +184,7 @@ def test_head_status_says_what_the_head_adds_and_where_it_looks():
 
 def test_plot_head_pattern_draws_the_patterns_it_names():
     run = make_run()
-    ax = plot_head_pattern(run, 1, None, step=1, mark_head=1)
+    ax = plot_head_pattern(run, 1, None, step=1, mark=(1, 1))
     shown = ax.images[0].get_array()
     assert shown.shape == (2, 7)
     for h in range(2):
@@ -194,11 +194,26 @@ def test_plot_head_pattern_draws_the_patterns_it_names():
     assert ax.get_title() == "where block 1's heads look from position 5 (␣Paris) to write <b>& (step 1)"
     hatched = [p for p in ax.patches if p.get_hatch()]
     assert len(hatched) == 1 and hatched[0].get_x() == pytest.approx(5.5)  # the one key it cannot see
+    outlined = [p for p in ax.patches if not p.get_fill() and p.get_linestyle() == "-"]
+    assert len(outlined) == 1 and outlined[0].get_y() == pytest.approx(0.5)  # head 1.1's row
     ax = plot_head_pattern(run, 2, 0, step=-1, annotate=False)
     assert ax.images[0].get_array().shape == (1, 7) and not ax.texts
     assert ax.get_title() == "where head 2.0 looks from position 6 (<b>&) to write . (step 2)"
     with pytest.raises(ValueError, match=r"head=5 out of range"):
         plot_head_pattern(run, 1, [0, 5])
+    with pytest.raises(ValueError, match=r"layer=\[\]: expected"):
+        plot_head_pattern(run, [])
+
+
+def test_plot_head_pattern_of_every_head_has_a_row_per_block_and_head():
+    run = make_run(layers=(1, 2))
+    ax = plot_head_pattern(run, step=0, annotate=False)  # every captured block, every head
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["head 1.0", "head 1.1", "head 2.0", "head 2.1"]
+    shown = torch.as_tensor(ax.images[0].get_array())
+    want = torch.stack([by_hand(run, layer, h, 4) for layer in (1, 2) for h in (0, 1)])
+    assert torch.allclose(shown, want, atol=1e-6)
+    assert [line.get_ydata()[0] for line in ax.lines if line.get_linewidth() == 0.6] == [1.5]  # between the blocks
+    assert ax.get_title().startswith("where the heads look from position 4 (␣is) to write ␣Paris")
 
 
 def test_plot_head_attribution_draws_the_map_with_a_symmetric_scale():

@@ -599,6 +599,7 @@ def test_head_explorer_opens_a_head_from_the_map_and_shows_its_pattern_and_attri
     shown = torch.tensor([[float(c.description) for c in row] for row in ex.cells])
     assert torch.allclose(shown, att.heads[0][0], atol=0.006)  # each cell: its head's value, to 2 decimals
     assert ex.strongest.options[0][1] == att.top_heads(0, 0, 1)[0][:2]
+    assert (ex.layer.value, ex.head.value) == ex.strongest.value == att.top_heads(0, 0, 1)[0][:2]  # opens on it
 
     ex.cells[1][0].click()  # head 1.0: it reads the country into the last position
     assert (ex.layer.value, ex.head.value) == (1, 0) and ex.drawn == {"step": 0, "layer": 1, "head": 0}
@@ -633,6 +634,7 @@ def test_head_explorer_opens_a_head_from_the_map_and_shows_its_pattern_and_attri
     ex.target.value, ex.versus.value = "", ""  # the first generated token's logit alone
     ex.run_button.click()
     assert ex.last_error is None and ex.attribution.target == ex.run.tokens[0][0] and ex.attribution.versus is None
+    assert ex.drawn == {"step": 0, "layer": 0, "head": 0}  # a new run keeps the head chosen
     assert "logit(&#x27; Paris&#x27;) (rank" in ex.status.value
 
 

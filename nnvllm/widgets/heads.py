@@ -41,7 +41,8 @@ class HeadExplorer(_Explorer):
     tokens it attends to most, and ``status`` says what the head adds to ``logit[target] -
     logit[versus]`` at that step. The block × head ``map`` colours every head by its attribution at the
     step (blue raises the difference, red lowers it); clicking a cell opens that head, as does picking
-    it in ``strongest`` (the heads by size of attribution).
+    it in ``strongest`` (the heads by size of attribution). The first run opens the strongest head at
+    step 0; a later run (a new prompt or new tokens) keeps the chosen head.
 
     Controls: ``prompt``, ``target`` (one token; empty: the token generated at step 0), ``versus``
     (one token; empty: the target's logit alone), ``max_tokens``, ``run_button`` (runs the engine),
@@ -135,6 +136,7 @@ class HeadExplorer(_Explorer):
                           sites=list(SITES), layers="all")
         target = self._token(self.target)
         att = attribute(run, target=run.tokens[0][0] if target is None else target, versus=self._token(self.versus))
+        first = self.run is None
         self.run, self.attribution = run, att
         n_layers, n_heads = att.heads[0].shape[1:]
         self._drawing = False  # options and ranges first, then values: one redraw at the end
@@ -143,6 +145,8 @@ class HeadExplorer(_Explorer):
             self.step.options = step_options(run, 0)
             self.step.value = 0
             self._build_map(n_layers, n_heads)
+            if first:  # open on the strongest head; later runs keep the head chosen, to compare prompts
+                self.layer.value, self.head.value = head_options(att, 0, 0, k=1)[0][1]
             self._fill_step()
         finally:
             self._drawing = True
