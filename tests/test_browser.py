@@ -23,11 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 ARTIFACTS = REPO / "build" / "test-artifacts"
 LENS_NOTEBOOK = "notebooks/01_logit_lens.ipynb"
 # Notebooks this file runs whole with Run All (nbmake's run of them is left out in the same session:
-# tests/conftest.py): the lens notebook, and the two whose explorers must answer after Run All.
+# tests/conftest.py): the lens notebook, and those whose explorers must answer after Run All.
 SEVERAL_NOTEBOOK = "notebooks/05_several_models.ipynb"
 STEERING_NOTEBOOK = "notebooks/06_steering.ipynb"
+HEADS_NOTEBOOK = "notebooks/07_heads.ipynb"
 BROWSER_NOTEBOOKS = {"test_lens_notebook_in_browser": LENS_NOTEBOOK,
-                     "test_explorers_answer_after_run_all": (SEVERAL_NOTEBOOK, STEERING_NOTEBOOK)}
+                     "test_explorers_answer_after_run_all": (SEVERAL_NOTEBOOK, STEERING_NOTEBOOK),
+                     "test_head_explorer_answers_a_click_after_run_all": HEADS_NOTEBOOK}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,7 @@ def lab(tmp_path_factory):
         print(f"skipping browser test: {why}")
         pytest.skip(why)
     root = tmp_path_factory.mktemp("lab")
-    for nb in (LENS_NOTEBOOK, SEVERAL_NOTEBOOK, STEERING_NOTEBOOK):
+    for nb in (LENS_NOTEBOOK, SEVERAL_NOTEBOOK, STEERING_NOTEBOOK, HEADS_NOTEBOOK):
         shutil.copy(REPO / nb, root / Path(nb).name)
     with browser.jupyterlab(root) as server, browser.chromium() as ctx:
         yield server, ctx
@@ -142,6 +144,31 @@ def test_explorers_answer_after_run_all(lab):
         final = status.inner_text().strip()
         browser.screenshot(page, ARTIFACTS / "steering_replay.png", css_class="nnvllm-live")
     assert final.startswith("done: "), final
+
+
+@pytest.mark.browser
+def test_head_explorer_answers_a_click_after_run_all(lab):
+    """Notebook 07, Run All, then a click on a cell of the HeadExplorer's block x head map opens that
+    head: the heat strip is redrawn and the status line names the head, with no error shown."""
+    with opened(lab, Path(HEADS_NOTEBOOK).name) as page:
+        browser.run_all(page)
+        _assert_quiet_load(browser.cell_output(page, "nv.load("))
+        assert browser.widget(page, "nnvllm-heads").is_visible(), "explorer (.nnvllm-heads) not rendered"
+        before = browser.img_src(page, "nnvllm-plot")
+        assert before.startswith("data:image/"), f"no plot image in .nnvllm-plot: {before[:80]!r}"
+        status = browser.widget(page, "nnvllm-head-status")
+        shown = status.inner_text().strip()
+        cell = browser.widget(page, "nnvllm-head-map").locator(".nnvllm-head-cell").first  # head 0.0
+        cell.scroll_into_view_if_needed()
+        cell.click()
+        after = browser.wait_img_src_change(page, "nnvllm-plot", before)
+        page.wait_for_function(
+            "sel => { const e = document.querySelector(sel); return e && /^head 0\\.0 at step 0 /.test(e.innerText.trim()); }",
+            arg=".jp-Notebook .nnvllm-head-status", timeout=30_000, polling=100)
+        errors = browser.widget(page, "nnvllm-heads").locator(".nnvllm-error").first.inner_text().strip()
+        browser.screenshot(page, ARTIFACTS / "head_explorer.png", css_class="nnvllm-heads")
+    assert not shown.startswith("head 0.0 "), f"the notebook left head 0.0 open; the click would change nothing: {shown}"
+    assert after != before and not errors, errors[:300]
 
 
 HARNESS_CELLS = [

@@ -50,7 +50,7 @@ class HeadExplorer(_Explorer):
     ``head`` (IntSlider, class ``nnvllm-head``), ``strongest`` (Dropdown, class ``nnvllm-head-list``),
     ``map`` (GridBox of Buttons, class ``nnvllm-head-map``; ``cells[layer][head]`` is a Button, class
     ``nnvllm-head-cell``). Views: ``plot`` (Output, class ``nnvllm-plot``), ``text`` (HTML, class
-    ``nnvllm-head-text``), ``table`` and ``status`` (HTML). State: ``run``, ``attribution``,
+    ``nnvllm-head-text``), ``table`` (HTML) and ``status`` (HTML, class ``nnvllm-head-status``). State: ``run``, ``attribution``,
     ``position`` (the query), ``pattern`` (``[pos]``, the shown head's weights), ``png``,
     ``last_error``. Every choice after the run redraws without the engine.
 
@@ -98,6 +98,7 @@ class HeadExplorer(_Explorer):
         self.text.add_class("nnvllm-head-text")
         self.table = W.HTML()
         self.status = W.HTML()
+        self.status.add_class("nnvllm-head-status")
         self.step.observe(lambda _: self._guard(self._step_changed), names="value")
         for w in (self.layer, self.head):
             w.observe(lambda _: self._guard(self.redraw), names="value")
