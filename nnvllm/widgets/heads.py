@@ -54,7 +54,9 @@ class HeadExplorer(_Explorer):
     ``position`` (the query), ``pattern`` (``[pos]``, the shown head's weights), ``png``,
     ``last_error``. Every choice after the run redraws without the engine.
 
-    A model of many heads makes a map of as many buttons (a 16-block, 32-head model: 512).
+    A model of many heads makes a map of as many buttons (a 16-block, 32-head model: 512). The
+    attribution reads the output projections, the final norm and the unembedding from the checkpoint
+    with transformers, on this machine (``nv.attribute``; cached per checkpoint after the first run).
 
     Example::
 
