@@ -194,7 +194,8 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
 
     edit_list = _edits.resolve(edits, model.arch, model.n_layers, _edits.site_widths(model),
                                engine.info()["tp"] if edits else 1, n_prompts=len(prompts),
-                               n_positions=None if prompt_lens is None else [n + max_tokens - 1 for n in prompt_lens])
+                               n_positions=None if prompt_lens is None else [n + max_tokens - 1 for n in prompt_lens],
+                               d_head=(_edits.head_shape(model) or (None, None))[1])
     from .sae_group import resolve as _resolve_saes
 
     sae_specs = _resolve_saes(saes, model.arch, model.n_layers, _edits.site_widths(model), sae_k, sae_dense)

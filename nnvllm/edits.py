@@ -1,7 +1,7 @@
 """Change the model while it generates: steering, ablation, scaling (``nv.generate(..., edits=[...])``).
 
-An :class:`Edit` names a site (``resid``, ``attn``, ``mlp``, ``mlp_in``, ``mlp_act``), the blocks it
-applies to, which positions (``"all"``, ``"prompt"`` or ``"generated"``: the fed-back tokens) and what
+An :class:`Edit` names a site (``resid``, ``attn``, ``mlp``, ``mlp_in``, ``mlp_act``, or ``z``: the
+heads' outputs, with ``heads=`` to edit some of them), the blocks it applies to, which positions (``"all"``, ``"prompt"`` or ``"generated"``: the fed-back tokens) and what
 it does to each of those rows:
 
 - ``Edit.add(vector, layers, scale=1.0)``: ``x + scale * vector`` (steering);
@@ -22,6 +22,13 @@ takes the same edits and makes them with transformers hooks (the tests compare t
 For the residual stream of a Llama-style block (vLLM returns ``(hidden, residual)``, whose sum is
 the stream), ``add`` adds to the stream, ``set`` and ``scale`` make the edited value the whole
 stream. An edit applies to every prompt of the call, or to the ones its ``prompts=`` lists.
+
+Heads: ``site="z"`` is every head's output before the attention's output projection (``[heads *
+d_head]`` per row, head by head); ``heads=[h, ...]`` limits an edit to those heads' slices, so
+``Edit.set(0.0, layers=5, site="z", heads=[3])`` ablates head 5.3 and ``Edit.patch(clean, layers=5,
+site="z", heads=[3])`` patches that head from another run (TransformerLens's ``hook_z``). With
+``heads``, a vector is ``[d_head]`` and goes into each named head. The other per-head sites (``q``,
+``k``, ``v``) are read only.
 """
 
 from __future__ import annotations
@@ -36,8 +43,12 @@ from torch import Tensor
 __all__ = ["Edit"]
 
 _OPS = ("add", "set", "scale", "patch", "clamp")
+_HEAD_EDIT_SITES = ("z",)  # per-head sites an edit may write (q, k and v are read only)
 _POSITIONS = ("all", "prompt", "generated")
 _FULL_WIDTH = ("resid", "attn", "mlp")  # the same on every tensor-parallel rank
+# Sites each TP rank holds a slice of that the worker still edits rightly: its heads' columns of z
+# (rank r holds heads r * H / tp and up), so it takes its slice of a vector or a patch.
+_BY_RANK = ("z",)
 
 
 @dataclass(frozen=True)
@@ -55,6 +66,7 @@ class Edit:
             first prompt token; a generated token's position is the prompt length plus its index).
         values: ``[len(layers), pos, width]`` for ``patch``: another run's values, position by position.
         prompts: indices of the prompts of the call it applies to, or None for every prompt.
+        heads: for ``site="z"``: the heads it edits (None: every head).
         sae: the :class:`~nnvllm.SAE` of a ``clamp``, else None.
         clamps: ``((feature, value), ...)``: what a ``clamp`` sets, else None.
     """
@@ -70,29 +82,35 @@ class Edit:
     prompts: tuple[int, ...] | None = None  # the prompts of the call it applies to (None: all)
     sae: Any = None
     clamps: tuple[tuple[int, float], ...] | None = None
+    heads: tuple[int, ...] | None = None  # site "z": the heads it edits (None: all)
 
     @classmethod
     def add(cls, vector, layers, scale: float = 1.0, *, site: str = "resid", positions: str = "all",
-            prompts=None) -> Edit:
-        """Add ``scale * vector`` (``[width]``) to ``site`` at ``layers`` (steering)."""
-        return cls._make("add", site, layers, vector=vector, factor=scale, positions=positions, prompts=prompts)
+            prompts=None, heads=None) -> Edit:
+        """Add ``scale * vector`` (``[width]``; ``[d_head]`` into each of ``heads`` at site ``z``) to
+        ``site`` at ``layers`` (steering)."""
+        return cls._make("add", site, layers, vector=vector, factor=scale, positions=positions, prompts=prompts,
+                         heads=heads)
 
     @classmethod
-    def set(cls, value, layers, *, site: str = "resid", positions: str = "all", prompts=None) -> Edit:
-        """Set ``site`` at ``layers`` to ``value`` (a float, e.g. ``0.0`` to ablate, or a ``[width]`` vector)."""
+    def set(cls, value, layers, *, site: str = "resid", positions: str = "all", prompts=None, heads=None) -> Edit:
+        """Set ``site`` at ``layers`` to ``value`` (a float, e.g. ``0.0`` to ablate, or a ``[width]`` vector;
+        at site ``z`` with ``heads``, ``Edit.set(0.0, 5, site="z", heads=[3])`` zero-ablates head 5.3)."""
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return cls._make("set", site, layers, value=float(value), positions=positions, prompts=prompts)
-        return cls._make("set", site, layers, vector=_as_vector(value, "value"), positions=positions, prompts=prompts)
+            return cls._make("set", site, layers, value=float(value), positions=positions, prompts=prompts, heads=heads)
+        return cls._make("set", site, layers, vector=_as_vector(value, "value"), positions=positions, prompts=prompts,
+                         heads=heads)
 
     @classmethod
     def patch(cls, source, layers, *, site: str = "resid", request: int = 0, positions: str = "all",
-              prompts=None) -> Edit:
+              prompts=None, heads=None) -> Edit:
         """Replace ``site`` at ``layers`` with another run's values, position by position (activation
         patching over a whole generation): row ``p`` gets ``source``'s value at position ``p`` of
         request ``request``; positions past the source's are left alone.
 
         Args:
             source: a :class:`~nnvllm.Run` that captured ``site`` at ``layers`` (e.g. the clean run).
+            heads: at site ``z``, patch only these heads (per-head activation patching).
         """
         from .results import Run
 
@@ -110,12 +128,15 @@ class Edit:
                              f"({source.layers}); give block indices it has (0 and up)")
         rows = [source.layers.index(j) for j in layers]
         values = per[request][rows].detach().float().cpu()
-        return cls._make("patch", site, layers, positions=positions, values=values, prompts=prompts)
+        if values.ndim == 4:  # a per-head site [layer, pos, heads, d_head]: the engine's flat row
+            values = values.flatten(-2)
+        return cls._make("patch", site, layers, positions=positions, values=values, prompts=prompts, heads=heads)
 
     @classmethod
-    def scale(cls, factor: float, layers, *, site: str = "resid", positions: str = "all", prompts=None) -> Edit:
-        """Multiply ``site`` at ``layers`` by ``factor``."""
-        return cls._make("scale", site, layers, factor=factor, positions=positions, prompts=prompts)
+    def scale(cls, factor: float, layers, *, site: str = "resid", positions: str = "all", prompts=None,
+              heads=None) -> Edit:
+        """Multiply ``site`` at ``layers`` (at site ``z``: of ``heads``) by ``factor``."""
+        return cls._make("scale", site, layers, factor=factor, positions=positions, prompts=prompts, heads=heads)
 
     @classmethod
     def feature(cls, sae, feature: int, scale: float = 1.0, *, positions: str = "all", prompts=None) -> Edit:
@@ -175,11 +196,23 @@ class Edit:
 
     @classmethod
     def _make(cls, op, site, layers, *, vector=None, value=None, factor=1.0, positions="all", values=None,
-              prompts=None) -> Edit:
-        from .arch import SITES
+              prompts=None, heads=None) -> Edit:
+        from .arch import HEAD_SITES, SITES
 
-        if site not in SITES:
-            raise ValueError(f"site={site!r}; expected one of {list(SITES)}")
+        if site in HEAD_SITES and site not in _HEAD_EDIT_SITES:
+            raise ValueError(f"site={site!r} is read only; edit the heads' outputs with site='z' (and heads=[...])")
+        if site not in SITES + _HEAD_EDIT_SITES:
+            raise ValueError(f"site={site!r}; expected one of {list(SITES + _HEAD_EDIT_SITES)}")
+        if heads is not None:
+            if site not in _HEAD_EDIT_SITES:
+                raise ValueError(f"heads={heads!r} with site={site!r}: heads are edited at site 'z' (each head's "
+                                 "output before the attention's output projection); give site='z'")
+            heads = (heads,) if isinstance(heads, int) and not isinstance(heads, bool) else heads
+            if not isinstance(heads, (list, tuple, range)) or not heads or not all(
+                    isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads):
+                raise ValueError(f"heads={heads!r}; expected None (every head) or head indices (ints from 0), "
+                                 "e.g. heads=[3]")
+            heads = tuple(sorted(set(heads)))
         if isinstance(positions, int) and not isinstance(positions, bool):
             positions = (positions,)
         if isinstance(positions, (list, tuple, range)):
@@ -213,7 +246,7 @@ class Edit:
                 raise ValueError(f"prompts={prompts!r}; expected None (every prompt) or indices of the call's "
                                  "prompts (0 and up), e.g. prompts=[0, 2]")
             prompts = tuple(sorted(set(prompts)))
-        return cls(op, site, layers, vector, value, float(factor), positions, values, prompts)
+        return cls(op, site, layers, vector, value, float(factor), positions, values, prompts, heads=heads)
 
     def describe(self) -> dict[str, Any]:
         """What a Run records of this edit (JSON; a vector as its width and norm)."""
@@ -221,6 +254,8 @@ class Edit:
                              "positions": self.positions if isinstance(self.positions, str) else list(self.positions)}
         if self.prompts is not None:
             d["prompts"] = list(self.prompts)
+        if self.heads is not None:
+            d["heads"] = list(self.heads)
         if self.op in ("add", "scale"):
             d["scale" if self.op == "add" else "factor"] = self.factor
         if self.vector is not None:
@@ -255,10 +290,12 @@ def _as_vector(vector, name: str = "vector") -> Tensor:
 
 
 def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str, int] | None, tp: int = 1,
-            n_prompts: int | None = None, n_positions: Sequence[int] | None = None) -> list[Edit]:
-    """Check ``edits`` against a model (sites it offers, layers it has, vector widths) and the call
-    (``n_prompts``; ``n_positions``: per prompt, the positions its forwards can reach: prompt tokens +
-    max_tokens - 1); negative layers become block indices. Raises ValueError / TypeError saying what to fix."""
+            n_prompts: int | None = None, n_positions: Sequence[int] | None = None,
+            d_head: int | None = None) -> list[Edit]:
+    """Check ``edits`` against a model (sites it offers, layers it has, vector widths; ``d_head``: one
+    head's width, for edits at site ``z``) and the call (``n_prompts``; ``n_positions``: per prompt, the
+    positions its forwards can reach: prompt tokens + max_tokens - 1); negative layers become block
+    indices. Raises ValueError / TypeError saying what to fix."""
     if edits is None:
         return []
     if isinstance(edits, Edit):
@@ -268,15 +305,19 @@ def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str,
     out = []
     for e in edits:
         arch.check_sites([e.site])
+        if e.site == "z" and e.heads is not None and d_head and (widths or {}).get("z"):
+            n_heads = widths["z"] // d_head
+            if max(e.heads) >= n_heads:
+                raise ValueError(f"heads={list(e.heads)}: the model has {n_heads} heads per block (0..{n_heads - 1})")
         layers = []
         for j in e.layers:
             if not -n_layers <= j < n_layers:
                 raise ValueError(f"edit at layer {j}: the model has {n_layers} blocks (0..{n_layers - 1})")
             layers.append(j % n_layers)
         if e.values is not None:
-            if tp > 1 and e.site not in _FULL_WIDTH:
+            if tp > 1 and e.site not in _FULL_WIDTH + _BY_RANK:
                 raise ValueError(f"patching site {e.site!r} under tensor parallelism (each rank holds a slice of "
-                                 f"it) is not supported; use {list(_FULL_WIDTH)}")
+                                 f"it) is not supported; use {list(_FULL_WIDTH + _BY_RANK)}")
             want = (widths or {}).get(e.site)
             if want is not None and e.values.shape[-1] != want:
                 raise ValueError(f"the source run's {e.site!r} is {e.values.shape[-1]} wide; this model's is {want}")
@@ -287,13 +328,18 @@ def resolve(edits: Sequence[Edit] | None, arch, n_layers: int, widths: dict[str,
             if (widths or {}).get(e.site):
                 e.sae.check_width(widths[e.site], where=" in this model (Edit.clamp)")
         if e.vector is not None:
-            if tp > 1 and e.site not in _FULL_WIDTH:
+            if tp > 1 and e.site not in _FULL_WIDTH + _BY_RANK:
                 raise ValueError(f"a vector edit at site {e.site!r} under tensor parallelism (each rank holds a "
-                                 f"slice of it) is not supported; use {list(_FULL_WIDTH)} or a scalar")
+                                 f"slice of it) is not supported; use {list(_FULL_WIDTH + _BY_RANK)} or a scalar")
             want = (widths or {}).get(e.site)
-            if want is not None and e.vector.numel() != want:
+            if e.heads is not None:  # one head's width, into each named head
+                if d_head and e.vector.numel() != d_head:
+                    raise ValueError(f"edit vector has width {e.vector.numel()}; with heads={list(e.heads)} it goes "
+                                     f"into each head, {d_head} wide (d_head)")
+            elif want is not None and e.vector.numel() != want:
                 raise ValueError(f"edit vector has width {e.vector.numel()}; site {e.site!r} of this model is "
-                                 f"{want} wide")
+                                 f"{want} wide" + (f" ({want // d_head} heads of {d_head}; give heads=[...] for a "
+                                                   f"[{d_head}] vector per head)" if e.site == "z" and d_head else ""))
         if e.prompts is not None and n_prompts is not None and max(e.prompts) >= n_prompts:
             raise ValueError(f"edit for prompts={list(e.prompts)}: the call has {n_prompts} prompt(s) "
                              f"(0..{n_prompts - 1})")
@@ -321,7 +367,23 @@ def site_widths(model) -> dict[str, int]:
     out = {"resid": d, "attn": d, "mlp": d, "mlp_act": d_mlp, "mlp_in": d_mlp * (2 if merged else 1)}
     if getattr(cfg, "num_experts", None):
         out["router"] = cfg.num_experts
+    shape = head_shape(model)
+    if shape:
+        out["z"] = shape[0] * shape[1]
     return out
+
+
+def head_shape(model) -> tuple[int, int] | None:
+    """``(heads, d_head)`` of ``model``'s attention, or None where its heads are not read (``Arch.heads``)."""
+    from .arch import attention_spec
+
+    if getattr(getattr(model, "arch", None), "heads", None) is None or getattr(model, "config", None) is None:
+        return None
+    try:
+        spec = attention_spec(model.config, model.arch)
+    except ValueError:  # attention that is not softmax(q . k): its heads are not read
+        return None
+    return spec.n_heads, spec.d_head
 
 
 def to_spec(edits: list[Edit]) -> list[dict]:
@@ -332,6 +394,7 @@ def to_spec(edits: list[Edit]) -> list[dict]:
     return [{"op": e.op, "site": e.site, "layers": list(e.layers), "scale": e.factor,
              "positions": e.positions if isinstance(e.positions, str) else list(e.positions),
              "prompts": None if e.prompts is None else list(e.prompts),
+             "heads": None if e.heads is None else list(e.heads),
              "value": e.value, "vector": None if e.vector is None else e.vector.tolist(),
              "values": None if e.values is None else e.values.tolist(),
              **({} if e.sae is None else {
@@ -349,6 +412,10 @@ def hf_hooks(model, arch, edits: list[Edit], plen: int, prompt: int = 0) -> list
     blocks = model.get_submodule(arch.blocks)
     handles = []
     on_device: dict[int, Any] = {}  # id(edit) -> its SAE on the model's device (clamp)
+    if any(e.site == "z" for e in edits):
+        from .arch import attention_spec
+
+        n_heads = attention_spec(model.config, arch).n_heads
 
     def edited(e: Edit, x: Tensor, part: int = 0, parts: int = 1, e_layer: int = 0) -> Tensor:
         pos = torch.arange(x.shape[-2], device=x.device)
@@ -359,6 +426,8 @@ def hf_hooks(model, arch, edits: list[Edit], plen: int, prompt: int = 0) -> list
         vec = e.vector
         if vec is not None and parts > 1:  # a merged site split in transformers: this part's slice
             vec = vec.chunk(parts)[part]
+        if vec is not None and e.heads is not None:  # one head's vector, into every head (masked below)
+            vec = vec.repeat(n_heads)
         if e.op == "patch":
             src = e.values[e_layer].to(device=x.device, dtype=x.dtype)  # [P, width]
             if parts > 1:
@@ -381,12 +450,17 @@ def hf_hooks(model, arch, edits: list[Edit], plen: int, prompt: int = 0) -> list
             new = vec.to(device=x.device, dtype=x.dtype).expand_as(x) if vec is not None else torch.full_like(x, e.value)
         else:
             new = x * e.factor
+        if e.heads is not None:  # z: only the named heads' columns
+            cols = torch.zeros(n_heads, x.shape[-1] // n_heads, dtype=torch.bool, device=x.device)
+            cols[list(e.heads)] = True
+            cols = cols.flatten()
+            return torch.where(cols if m is None else (m[:, None] & cols), new, x)
         return new if m is None else torch.where(m[:, None], new, x)
 
     for e in edits:
         if e.prompts is not None and prompt not in e.prompts:
             continue
-        paths, side = arch.hf_site(e.site)
+        paths, side = ((arch.heads.hf_out or arch.heads.out), "input") if e.site == "z" else arch.hf_site(e.site)
         parts = paths if isinstance(paths, tuple) else (paths,)
         for li, j in enumerate(e.layers):
             for k, p in enumerate(parts):

@@ -69,6 +69,61 @@ def test_each_edit_equals_the_same_edit_with_transformers_hooks(model, fidelity,
     assert again.tokens == clean.tokens and same_values(again.resid[0], clean.resid[0])
 
 
+def test_head_edits_equal_the_same_edits_with_transformers_hooks(model, fidelity, tp):
+    """Edits at site z (each head's output before the attention's output projection) limited to some
+    heads: ablating one, scaling two on the prompt, adding a vector into one, patching one from another
+    prompt's run, scaling all; each equals the same edit made with transformers hooks (z, the stream
+    and the logits), under tensor parallelism too (each rank edits the heads it holds). The ablated
+    head's z is zero and, on the prompt, the layer's other heads are as without the edit."""
+    from nnvllm.edits import head_shape
+
+    kind, path, m = model
+    n_heads, d_head = head_shape(m)
+    assert n_heads >= 2
+    L = m.n_layers // 2
+    g = torch.Generator().manual_seed(1)
+    clean = nv.generate(m, PROMPTS, max_tokens=4, ignore_eos=True, sites=["z"])
+    other = nv.generate(m, "The capital of Italy is", max_tokens=4, ignore_eos=True, sites=["z"])
+    edits = {
+        "ablate one head": nv.Edit.set(0.0, layers=[L], site="z", heads=[1]),
+        "scale two heads on the prompt": nv.Edit.scale(3.0, layers=[0, L], site="z", heads=[0, n_heads - 1],
+                                                       positions="prompt"),
+        "add a vector into one head": nv.Edit.add(torch.randn(d_head, generator=g), layers=[L], scale=4.0,
+                                                  site="z", heads=[n_heads - 1]),
+        "patch one head from another prompt's run": nv.Edit.patch(other, layers=[L], site="z", heads=[0]),
+        "scale every head": nv.Edit.scale(0.5, layers=[L], site="z"),
+    }
+    moved = 0
+    for name, e in edits.items():
+        run = nv.generate(m, PROMPTS, max_tokens=4, ignore_eos=True, edits=[e], sites=["z"])
+        hf = fidelity.reference(path, PROMPTS, max_tokens=4, ignore_eos=True, edits=[e], sites=["z"])
+        assert run.tokens == hf.value.tokens, (kind, name)
+        for i in range(len(PROMPTS)):
+            hf.check(run.sites["z"][i], TOL, lambda r, i=i: r.sites["z"][i], f"{kind} {name}: z[{i}]")
+            hf.check(run.resid[i], TOL, lambda r, i=i: r.resid[i], f"{kind} {name}: resid[{i}]")
+            hf.check(run.logits[i], TOL, lambda r, i=i: r.logits[i], f"{kind} {name}: logits[{i}]")
+        assert run.meta["edits"][0]["site"] == "z" and run.meta["edits"][0].get("heads") == (
+            None if e.heads is None else list(e.heads))
+        moved += max((a - b).abs().max().item() for a, b in zip(run.resid, clean.resid)) > 1e-2
+        if name == "ablate one head":
+            z, z0 = run.sites["z"][0][L], clean.sites["z"][0][L]  # [pos, heads, d_head]
+            assert not z[:, 1].any()
+            P = len(run.prompt_ids[0])
+            keep = [h for h in range(n_heads) if h != 1]
+            assert (z[:P, keep] - z0[:P, keep]).abs().max() < TOL, "the edit touched another head"
+    assert moved == len(edits), moved
+    with pytest.raises(ValueError, match=f"has {n_heads} heads per block"):
+        nv.generate(m, PROMPTS[0], max_tokens=1, edits=[nv.Edit.set(0.0, layers=0, site="z", heads=[n_heads])])
+    with pytest.raises(ValueError, match=f"goes into each head, {d_head} wide"):
+        nv.generate(m, PROMPTS[0], max_tokens=1, edits=[nv.Edit.add(torch.ones(d_head + 1), 0, site="z", heads=[0])])
+    with pytest.raises(ValueError, match="read only; edit the heads' outputs with site='z'"):
+        nv.Edit.set(0.0, layers=0, site="q")
+    with pytest.raises(ValueError, match="heads are edited at site 'z'"):
+        nv.Edit.set(0.0, layers=0, site="attn", heads=[0])
+    again = nv.generate(m, PROMPTS, max_tokens=4, ignore_eos=True, sites=["z"])  # nothing left armed
+    assert again.tokens == clean.tokens and same_values(again.sites["z"][0], clean.sites["z"][0])
+
+
 def test_steering_vector_from_contrastive_prompts_and_compare(model):
     kind, path, m = model
     v = nv.steering_vector(m, ["The capital of Italy is", "Rome is the capital of"],

@@ -146,6 +146,8 @@ class _Taps:
         armed = []
         saes = iter(edit_saes([e["sae"] for e in edits if e["op"] == "clamp"], self.device))
         for e in edits:
+            if e["site"] == "z" and self._head_columns(e.get("heads")) is None:
+                continue  # none of the heads it edits is this rank's
             vec, vals = e.get("vector"), e.get("values")
             pr, at = e.get("prompts"), e["positions"]
             if e["op"] == "clamp":  # the SAE on the device, the features and the values they are set to
@@ -156,6 +158,8 @@ class _Taps:
                           "prompts": None if pr is None else torch.tensor(pr, dtype=torch.int64, device=self.device),
                           "vec": None if vec is None else torch.tensor(vec, dtype=torch.float32, device=self.device),
                           "vals": None if vals is None else torch.tensor(vals, dtype=torch.float32, device=self.device)})
+            if e["site"] == "z":
+                armed[-1] = self._by_head(armed[-1])
         self.disarm_edits()
         if armed and self.replayable(edits):
             acc = torch.zeros(self.gadd.shape, dtype=torch.float32, device=self.device)
@@ -164,6 +168,33 @@ class _Taps:
                     acc[j] += e["vec"] * e["scale"]
             self.gadd.copy_(acc)  # one edit per layer: the very values the hook adds, (vec * scale).to(dtype)
         self.edits = armed
+
+    def _head_columns(self, heads: list[int] | None) -> torch.Tensor | None:
+        """This rank's columns of z that an edit of ``heads`` (None: all) touches, as a bool mask over
+        its heads (rank ``r`` holds heads ``r * H / tp`` and up, head by head), or None where it holds
+        none of them."""
+        d, hl = self.heads["head_size"], self.heads["n_heads"] // self.tp
+        lo = self.rank * hl
+        local = [h - lo for h in (range(lo, lo + hl) if heads is None else heads) if lo <= h < lo + hl]
+        if not local:
+            return None
+        cols = torch.zeros(hl, d, dtype=torch.bool, device=self.device)
+        cols[local] = True
+        return cols.flatten()
+
+    def _by_head(self, e: dict) -> dict:
+        """An armed edit of z as this rank makes it: its columns (``"cols"``, None: all of them), a
+        vector over this rank's heads (one head's vector repeated into each, or the rank's slice of a
+        whole-width one), the rank's slice of a patch's values."""
+        d, hl = self.heads["head_size"], self.heads["n_heads"] // self.tp
+        lo = self.rank * hl * d
+        vec, vals = e["vec"], e["vals"]
+        if vec is not None:
+            vec = vec.repeat(hl) if e.get("heads") is not None else vec[lo: lo + hl * d]
+        if vals is not None:
+            vals = vals[..., lo: lo + hl * d]
+        cols = None if e.get("heads") is None else self._head_columns(e["heads"])
+        return {**e, "vec": vec, "vals": vals, "cols": cols}
 
     def disarm_edits(self) -> None:
         self.edits = []
@@ -227,7 +258,11 @@ class _Taps:
                 new = ((x + residual) if residual is not None else x) * e["scale"]
             if residual is not None and op not in ("add", "clamp"):  # the edited value is the whole stream
                 residual.copy_(torch.zeros_like(residual) if m is None else residual.masked_fill(m[:, None], 0))
-            x.copy_(new if m is None else torch.where(m[:, None], new, x))
+            cols = e.get("cols")  # z: the columns of the heads it edits
+            if cols is not None:
+                x.copy_(torch.where(cols if m is None else (m[:, None] & cols), new, x))
+            else:
+                x.copy_(new if m is None else torch.where(m[:, None], new, x))
 
     # ---- the hooks
     def _buf(self, site: str, n: int, like: torch.Tensor) -> torch.Tensor | None:
