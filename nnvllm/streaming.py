@@ -9,8 +9,8 @@ stream alike (the isolated one over a streamed HTTP response).
 
 The worker records the generation as :func:`nnvllm.generate` does; after each step the client asks it
 for the rows computed since the last step (``CaptureWorker.nnvllm_peek``: a few positions per prompt,
-the residual stream of the captured layers and the step's logits row) and projects them through the
-engine's own final norm and unembedding on the client. That costs a round trip per step: a stream is
+the residual stream of the captured layers, each SAE's features and the step's logits row) and
+projects them through the engine's own final norm and unembedding on the client. That costs a round trip per step: a stream is
 for watching, :func:`nnvllm.generate` for speed.
 
 Example::
@@ -24,7 +24,7 @@ Example::
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -48,6 +48,10 @@ class Step:
             newest token, for each captured layer (-1 where a prompt has no token yet); None without layers.
         lens_probs: ``[prompt, layer]`` its probability under the lens (NaN where none).
         finished: whether each prompt's generation has ended.
+        features: per SAE of the call (``saes=``), per prompt: the features of the position that
+            produced the newest token, as ``run.features`` holds them per position (``(ids [k],
+            values [k])``, or the dense ``[d_sae]`` code with ``sae_dense=True``), or None where a
+            prompt has no token yet; empty without SAEs.
     """
 
     index: int
@@ -57,6 +61,7 @@ class Step:
     lens_ids: Tensor | None
     lens_probs: Tensor | None
     finished: list[bool]
+    features: list[list] = field(default_factory=list)
 
 
 class Stream:
@@ -78,6 +83,8 @@ class Stream:
         self._rows: dict[str, list[Tensor]] = {}  # request -> residual rows [layer, d] by position
         self._logits: dict[str, list[Tensor]] = {}  # request -> logits rows by step
         self._final: dict[str, Tensor] = {}  # request -> the Run's sampling probabilities (at the end)
+        # request -> per SAE, its rows by position: (ids, values) or the dense code
+        self._features: dict[str, list[list]] = {}
         self._unembed = None
 
     def stop(self) -> None:
@@ -105,6 +112,7 @@ class Stream:
                 for i, o in enumerate(outputs):
                     if run.resid is not None:
                         self._rows[o["request_id"]] = list(run.resid[i].unbind(1))
+                    self._features[o["request_id"]] = [_by_position(f[i]) for f in run.features]
                     self._final[o["request_id"]] = run.samples[i].probs
                 step = self._step(outputs, seen)
                 if step is not None:
@@ -137,12 +145,16 @@ class Stream:
                 rows.extend(ent["resid"].unbind(1))  # [layer, d] per position
             if "logits" in ent:
                 self._logits.setdefault(key, []).extend(ent["logits"].unbind(0))
+            for j, f in enumerate(ent.get("features", ())):
+                per = self._features.setdefault(key, [[] for _ in ent["features"]])
+                per[j].extend(_by_position(f["dense"] if "dense" in f else (f["ids"], f["values"])))
 
     def _step(self, outputs: list[dict | None], seen: list[int]) -> Step | None:
         from .sampling import sampling_probs
 
         req = self._req
         new, probs, rows, text, finished = [], [], [], [], []
+        feats = [[] for _ in req.sae_specs]
         for i, o in enumerate(outputs):
             toks = [] if o is None else o["token_ids"]
             fresh = toks[seen[i]:]
@@ -164,6 +176,8 @@ class Stream:
             pos = (len(o["prompt_token_ids"]) + len(toks) - 2) if o is not None and toks else -1
             r = self._rows.get(rid, [])
             rows.append(r[pos] if 0 <= pos < len(r) else None)
+            for j, per in enumerate(self._features.get(rid) or [[] for _ in feats]):
+                feats[j].append(per[pos] if 0 <= pos < len(per) else None)
             seen[i] = len(toks)
         if not any(new):
             return None
@@ -182,7 +196,14 @@ class Stream:
                 lens_ids[have] = ids[:, :, 0].T
                 lens_probs[have] = ps[:, :, 0].T
         return Step(index=len(self.steps), tokens=new, text=text, probs=probs, lens_ids=lens_ids,
-                    lens_probs=lens_probs, finished=finished)
+                    lens_probs=lens_probs, finished=finished, features=feats)
+
+
+def _by_position(f) -> list:
+    """One request's features of one SAE, as a list by position: ``(ids, values)`` pairs, or dense rows."""
+    if isinstance(f, tuple):
+        return list(zip(f[0].unbind(0), f[1].unbind(0)))
+    return list(f.unbind(0))
 
 
 def stream(
@@ -198,6 +219,9 @@ def stream(
     sites: Sequence[str] = (),
     ignore_eos: bool = False,
     edits=None,
+    saes=None,
+    sae_k: int = 32,
+    sae_dense: bool = False,
     chat_template: str | None = None,
     chat_template_kwargs: dict | None = None,
 ) -> Stream:
@@ -205,13 +229,16 @@ def stream(
     :class:`Step` s while the engine generates; ``stream.run`` is then the whole Run.
 
     The arguments are :func:`nnvllm.generate`'s (checked before the engine runs; a prompt may be a
-    conversation). ``layers`` are the blocks whose logit-lens top-1 each step reports (and the Run keeps).
+    conversation). ``layers`` are the blocks whose logit-lens top-1 each step reports (and the Run keeps);
+    with ``saes`` each step also carries each SAE's features of the newest position (:attr:`Step.features`)
+    and ``stream.run.features`` is what :func:`nnvllm.generate` returns.
     """
     from .capture import _request
 
     req = _request(model, prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                    layers=layers, logits=logits, top_k=top_k, sites=sites, ignore_eos=ignore_eos, edits=edits,
-                   stream=True, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
+                   stream=True, saes=saes, sae_k=sae_k, sae_dense=sae_dense, chat_template=chat_template,
+                   chat_template_kwargs=chat_template_kwargs)
     req.stop = threading.Event()
     events = req.engine.stream(req.prompts, req.params, req.spec, req.stop)
     return Stream(model, req, events)

@@ -469,9 +469,47 @@ def test_steering_by_a_feature_is_the_same_addition_in_transformers(toy, toy_pat
 
 
 @pytest.mark.slow
+def _streamed_features_are_the_runs(stream, steps) -> None:
+    """Each step's features are the run's at the position that produced each prompt's newest token."""
+    run = stream.run
+    seen = [0] * len(run)
+    for step in steps:
+        assert len(step.features) == len(run.features)
+        for i, toks in enumerate(step.tokens):
+            seen[i] += len(toks)
+            for j, per in enumerate(step.features):
+                if not toks:
+                    continue
+                pos = len(run.prompt_ids[i]) + seen[i] - 2
+                want = run.features[j][i]
+                if isinstance(want, tuple):
+                    assert torch.equal(per[i][0], want[0][pos]) and torch.equal(per[i][1], want[1][pos])
+                else:
+                    assert torch.equal(per[i], want[pos])
+    assert seen == [len(t) for t in run.tokens]
+
+
+def test_features_in_a_stream(toy, saes):
+    """nv.stream(saes=...): every step carries each SAE's features of the newest positions, and the
+    stream's run holds the features nv.generate finds."""
+    picked = [saes["topk"][1], saes["standard"][1]]
+    kw = {"max_tokens": STEPS, "layers": [1], "ignore_eos": True, "saes": picked}
+    for form in ({"sae_k": 6}, {"sae_dense": True}):
+        want = nv.generate(toy, PROMPTS, **kw, **form)
+        s = nv.stream(toy, PROMPTS, **kw, **form)
+        steps = list(s)
+        assert s.run.tokens == want.tokens and len(steps) >= STEPS
+        for j in range(len(picked)):
+            for i in range(len(PROMPTS)):
+                got, exp = s.run.features[j][i], want.features[j][i]
+                assert all(map(torch.equal, got, exp)) if isinstance(exp, tuple) else torch.equal(got, exp)
+        _streamed_features_are_the_runs(s, steps)
+        assert steps[0].features[0][0] is not None
+
+
 def test_features_from_an_isolated_engine(toy, toy_path, saes, tp):
     """An isolated engine (its own process; the SAE read from its folder there, the features back
-    through shared memory) gives the in-process engine's features."""
+    through shared memory) gives the in-process engine's features, in a stream too."""
     from conftest import engine_kwargs, same_values
 
     picked = [saes["topk"][1], saes["mlp_act"][1]]
@@ -479,11 +517,15 @@ def test_features_from_an_isolated_engine(toy, toy_path, saes, tp):
     iso = nv.load(toy_path, isolate=True, **engine_kwargs(tp))
     try:
         there = nv.generate(iso, PROMPTS, max_tokens=STEPS, layers=None, ignore_eos=True, saes=picked, sae_k=6)
+        streamed = nv.stream(iso, PROMPTS, max_tokens=STEPS, layers=None, ignore_eos=True, saes=picked, sae_k=6)
+        steps = list(streamed)
     finally:
         iso.close()
-    assert there.tokens == here.tokens
+    assert there.tokens == here.tokens == streamed.run.tokens
     for s in range(len(picked)):
         for i in range(len(PROMPTS)):
-            assert same_values(there.features[s][i][1], here.features[s][i][1])
-            assert torch.equal(there.features[s][i][0], here.features[s][i][0])
-            assert same_values(there.sae_errors[s][i], here.sae_errors[s][i])
+            for run in (there, streamed.run):
+                assert same_values(run.features[s][i][1], here.features[s][i][1])
+                assert torch.equal(run.features[s][i][0], here.features[s][i][0])
+                assert same_values(run.sae_errors[s][i], here.sae_errors[s][i])
+    _streamed_features_are_the_runs(streamed, steps)

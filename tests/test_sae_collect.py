@@ -22,9 +22,9 @@ LAYER = 2
 D_SAE = 128
 
 
-def _sae(arch: str, layer: int = LAYER, seed: int = 0, **cfg) -> nv.SAE:
-    """A random SAE on the toy model's residual stream after block ``layer`` (d_model 64), built in
-    memory (the engine reads it from the folder it is saved to)."""
+def _sae(arch: str, layer: int = LAYER, seed: int = 0, hook: str | None = None, **cfg) -> nv.SAE:
+    """A random SAE on the toy model's residual stream after block ``layer`` (d_model 64; or at sae-lens
+    hook ``hook``, 64 wide), built in memory (the engine reads it from the folder it is saved to)."""
     g = torch.Generator().manual_seed(seed)
     d = 64
     w_enc = torch.randn(d, D_SAE, generator=g) / d ** 0.5
@@ -33,7 +33,7 @@ def _sae(arch: str, layer: int = LAYER, seed: int = 0, **cfg) -> nv.SAE:
     if arch == "jumprelu":
         weights["threshold"] = torch.rand(D_SAE, generator=g) * 0.3
     return nv.SAE.from_state({"architecture": arch, "d_in": d, "d_sae": D_SAE, "dtype": "float32",
-                              "metadata": {"hook_name": f"blocks.{layer}.hook_resid_post"}, **cfg}, weights)
+                              "metadata": {"hook_name": hook or f"blocks.{layer}.hook_resid_post"}, **cfg}, weights)
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +295,26 @@ def test_a_clamp_equals_the_same_clamp_made_with_transformers_hooks(toy, toy_pat
     want = x + sae.clamp_delta(x, torch.tensor([on, off]), torch.tensor([0.0, 6.0]))
     torch.testing.assert_close(run.resid[0][0, :n], want, rtol=1e-5, atol=1e-5)
     assert (run.resid[0][0, :n] - x).norm(dim=-1).min() > 0.1
+
+
+def test_a_clamp_on_the_heads_outputs_equals_transformers(toy, toy_path, fidelity):
+    """An SAE on z (sae-lens's hook_z: every head's output before the attention's output projection)
+    clamps there as on the stream, equal to the same clamp made with transformers hooks; z at that
+    block over the prompt is the clamp of the plain run's z."""
+    sae = _sae("standard", seed=3, hook=f"blocks.{LAYER}.attn.hook_z", reshape_activations="hook_z")
+    assert (sae.site, sae.layer) == ("z", LAYER)
+    kw = {"max_tokens": STEPS, "ignore_eos": True, "sites": ["z"]}
+    plain = nv.generate(toy, PROMPTS[:2], saes=[sae], sae_dense=True, **kw)
+    on = int(torch.cat(plain.features[0]).mean(0).argmax())
+    e = nv.Edit.clamp(sae, on, 5.0)
+    run = nv.generate(toy, PROMPTS[:2], edits=[e], **kw)
+    hf = fidelity.reference(toy_path, PROMPTS[:2], edits=[e], **kw)
+    assert run.tokens == hf.value.tokens
+    for i in range(2):
+        hf.check(run.sites["z"][i], 1e-3, lambda r, i=i: r.sites["z"][i], f"clamped z[{i}]")
+        hf.check(run.resid[i], 1e-3, lambda r, i=i: r.resid[i], f"clamped resid[{i}]")
+    n = len(run.prompt_ids[0])
+    x = plain.sites["z"][0][LAYER, :n].flatten(-2)
+    want = x + sae.clamp_delta(x, torch.tensor([on]), torch.tensor([5.0]))
+    torch.testing.assert_close(run.sites["z"][0][LAYER, :n].flatten(-2), want, rtol=1e-5, atol=1e-5)
+    assert (want - x).norm(dim=-1).min() > 0.1

@@ -243,8 +243,9 @@ class _Capture:
 
     def peek(self) -> dict:
         """For nv.stream: each request's rows computed since the last peek (positions ``[from, to)``
-        of the residual stream, on the host) and the logits rows of the steps those positions
-        produced (step ``s`` comes from position ``plen - 1 + s``). Small: a few positions per call."""
+        of the residual stream and of each SAE's features, on the host) and the logits rows of the
+        steps those positions produced (step ``s`` comes from position ``plen - 1 + s``). Small: a
+        few positions per call."""
         if self.error is not None:
             return {"error": self.error}
         if not self.keep:
@@ -262,6 +263,10 @@ class _Capture:
             s0, s1 = max(a - plen + 1, 0), max(done - plen + 1, 0)
             if s1 > s0 and arena["_logits"].shape[1] > 1:
                 ent["logits"] = arena["_logits"][loff + s0: loff + s1].to("cpu")
+            if self.features:  # per SAE of the call: its rows' top features (or dense code) and error
+                ent["features"] = [{name: arena[key][m, off + a: off + done].to("cpu") for name in
+                                    ("ids", "values", "dense", "error") if (key := f"_sae{g}_{name}") in arena}
+                                   for g, m in self.features.where()]
             self.peeked[rid] = done
             out[rid] = ent
         return out
