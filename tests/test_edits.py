@@ -241,3 +241,50 @@ def test_a_tp_engine_captures_what_transformers_computes(model, fidelity):
         workers = core.children()
         assert not spawned(core) and len(workers) >= 2 and all(spawned(w) for w in workers), \
             [(p.cmdline()[:1], spawned(p)) for p in [core, *workers]]
+
+
+def _random_sae(hook: str, d_in: int, seed: int, **cfg) -> nv.SAE:
+    """A random ReLU SAE of 96 features at sae-lens hook ``hook``, ``d_in`` wide."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(d_in, 96, generator=g) / d_in ** 0.5
+    return nv.SAE.from_state({"architecture": "standard", "d_in": d_in, "d_sae": 96, "dtype": "float32",
+                              "metadata": {"hook_name": hook}, **cfg},
+                             {"W_enc": w, "W_dec": w.T.contiguous(), "b_enc": 0.05 * torch.randn(96, generator=g),
+                              "b_dec": 0.05 * torch.randn(d_in, generator=g)})
+
+
+@pytest.mark.tp
+def test_features_and_a_clamp_under_tensor_parallelism(model, fidelity):
+    """SAE features from a tensor-parallel engine (the residual stream is whole on every rank; mlp_act
+    and z are gathered from the ranks' slices before rank 0 encodes) are each SAE's encoding of
+    transformers' activations, and a clamp of the residual stream equals the same clamp made with
+    transformers hooks."""
+    from nnvllm.edits import site_widths
+
+    kind, path, m = model
+    w, L = site_widths(m), 1
+    saes = [_random_sae(f"blocks.{L}.hook_resid_post", w["resid"], 0),
+            _random_sae(f"blocks.{L}.mlp.hook_post", w["mlp_act"], 1),
+            _random_sae(f"blocks.{L}.attn.hook_z", w["z"], 2, reshape_activations="hook_z")]
+    assert [(x.site, x.layer) for x in saes] == [("resid", L), ("mlp_act", L), ("z", L)]
+    run = nv.generate(m, PROMPTS, max_tokens=3, ignore_eos=True, saes=saes, sae_dense=True)
+    assert run.meta["tp"] == 2
+    hf = fidelity.reference(path, PROMPTS, tokens=run.tokens, sites=["mlp_act", "z"])
+
+    def site_in(r, i, site):
+        x = r.resid[i] if site == "resid" else r.sites[site][i]
+        return x[L].flatten(1).float()  # [pos, width]: z's heads side by side, as the SAE reads them
+
+    for s, sae in enumerate(saes):
+        for i in range(len(PROMPTS)):
+            hf.check(run.features[s][i], TOL, lambda r, i=i, sae=sae: sae.encode(site_in(r, i, sae.site)),
+                     f"{kind} features of the {sae.site} SAE [{i}]")
+            assert run.features[s][i].count_nonzero() > 0
+    code = torch.cat(run.features[0])
+    e = nv.Edit.clamp(saes[0], int(code.mean(0).argmax()), 6.0)
+    clamped = nv.generate(m, PROMPTS, max_tokens=3, ignore_eos=True, edits=[e])
+    hf = fidelity.reference(path, PROMPTS, max_tokens=3, ignore_eos=True, edits=[e])
+    assert clamped.tokens == hf.value.tokens
+    for i in range(len(PROMPTS)):
+        hf.check(clamped.resid[i], TOL, lambda r, i=i: r.resid[i], f"{kind} clamped resid[{i}]")
+    assert max((a - b).abs().max().item() for a, b in zip(clamped.resid, run.resid)) > 1e-2
