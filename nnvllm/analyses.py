@@ -320,9 +320,13 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
     :mod:`nnvllm.heads`). The terms sum to the logit difference the engine computed there (before a
     final soft-cap) up to fp32 rounding: :meth:`~nnvllm.heads.Attribution.total`.
 
-    The projection runs here, on the client, from the captured z (``[step, layer, head, d_head]`` per
-    request) and the output projections ``W_O`` read from the run's checkpoint with transformers
-    (cached; in the run's dtype), or from ``weights``.
+    Where the run's engine still runs, the weights stay there: the engine carries the direction
+    being read (the two tokens' unembedding through the final norm) back through each block's
+    output projection, ``W_O[h]^T g`` per head, summed over tensor-parallel ranks in head order, and
+    hands back those ``[layer, head, d_head]`` vectors with the bias and embedding terms
+    (``CaptureWorker.nnvllm_readout``); the captured z, MLP outputs and stream are read with them
+    here. For a run whose engine is closed (or a saved or transformers run) the weights are read
+    from the run's checkpoint with transformers (cached; in the run's dtype), or from ``weights``.
 
     Args:
         run: a :class:`~nnvllm.results.Run` of :func:`nnvllm.generate` (or :func:`nnvllm.reference`).
@@ -347,7 +351,13 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
     if not isinstance(run, Run):
         raise TypeError(f"run={_validate._show(run)}: expected an nnvllm.Run from nv.generate(..., sites=['z', 'mlp'])")
     tok = getattr(run, "tokenizer", None)
-    if weights is None:
+    model = _live_engine(run) if weights is None else None
+    if model is not None:  # the weights stay in the engine (the module docstring)
+        u = unembedding(model)
+        weights = HeadWeights(w_o=torch.empty(model.n_layers, 0, 0), final_norm=u.norm, unembed=u.weight,
+                              embed=torch.empty(0), unembed_bias=u.bias, logit_scale=u.scale, soft_cap=u.soft_cap)
+        post = model.arch.heads.post_norms is not None
+    elif weights is None:
         from .reference import load_reference
 
         hf, hf_tok = load_reference(str(run.meta.get("model")), str(run.meta.get("dtype", "float32")).removeprefix("torch."))
@@ -361,7 +371,7 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
         post = weights.post_attn is not None
     need = ["z", "mlp"] + (["attn"] if post else [])
     missing = [s for s in need if s not in run.sites]
-    L = weights.n_layers
+    L = weights.n_layers if model is None else model.n_layers
     if missing or run.resid is None or list(run.layers) != list(range(L)):
         raise ValueError(f"attribution needs every block's {need} and residual stream; this run has sites "
                          f"{list(run.sites)} at layers {run.layers}. Generate with sites={need} and layers='all'.")
@@ -375,7 +385,7 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
                          "would be 0 everywhere. Pass two different tokens, or versus=None.")
     # Every request's logit positions in one batch: the weights' projections are made once per call.
     n_heads = run.meta.get("attention", {}).get("n_heads")
-    parts: dict[str, list] = {k: [] for k in ("z", "mlp", "attn", "resid", "embed")}
+    parts: dict[str, list] = {k: [] for k in ("z", "mlp", "attn", "resid", "embed", "ids", "positions")}
     steps, diffs = [], []
     for i in range(len(run)):
         P, T = len(run.prompt_ids[i]), len(run.tokens[i])
@@ -389,7 +399,11 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
             parts["attn"].append(run.sites["attn"][i].index_select(1, pos))
         resid = run.resid[i][-1].index_select(0, pos).float()
         parts["resid"].append(resid)
-        parts["embed"].append(weights.embedding(torch.tensor(run.sequence(i))[pos], pos))
+        ids = torch.tensor(run.sequence(i))[pos]
+        if model is None:
+            parts["embed"].append(weights.embedding(ids, pos))
+        parts["ids"].append(ids)
+        parts["positions"].append(pos)
         steps.append(T)
         if run.logits is not None:
             lg = uncap(run.logits[i], weights.soft_cap)
@@ -402,11 +416,55 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
             lg = lg * weights.logit_scale
             diff = lg[:, 0] - (lg[:, 1] if v_id is not None else 0.0)
         diffs.append(diff.float())
-    terms = logit_attribution(
-        weights, t_id, v_id, z=torch.cat(parts["z"], 1), mlp=torch.cat(parts["mlp"], 1),
-        resid=torch.cat(parts["resid"]), embed=torch.cat(parts["embed"]),
-        attn=torch.cat(parts["attn"], 1) if post else None)
+    kw = {"z": torch.cat(parts["z"], 1), "mlp": torch.cat(parts["mlp"], 1), "resid": torch.cat(parts["resid"]),
+          "attn": torch.cat(parts["attn"], 1) if post else None}
+    if model is not None:
+        terms = _engine_attribution(model, weights, t_id, v_id, ids=torch.cat(parts["ids"]),
+                                    positions=torch.cat(parts["positions"]), **kw)
+    else:
+        terms = logit_attribution(weights, t_id, v_id, embed=torch.cat(parts["embed"]), **kw)
     out = {k: list(terms[k].split(steps)) for k in ("heads", "mlp", "attn_bias", "embed", "bias")}
     out["logit_diff"] = diffs
     labels = tuple(None if x is None else (tok.decode([x]) if tok is not None else str(x)) for x in (t_id, v_id))
     return Attribution(target=t_id, versus=v_id, labels=labels, meta={"model": run.meta.get("model")}, **out)
+
+
+def _live_engine(run):
+    """The model whose engine made ``run``, while that engine runs (else None: the weights come from
+    the checkpoint)."""
+    ref = getattr(run, "engine_model", None)
+    model = ref() if ref is not None else None
+    if model is None:
+        return None
+    from .engine.transport import engine_of
+
+    try:
+        engine_of(model)
+    except Exception:  # closed or dead: the checkpoint still has the weights
+        return None
+    return model
+
+
+def _engine_attribution(model, weights, target: int, versus: int | None, *, z, mlp, resid, attn, ids, positions):
+    """:func:`nnvllm.heads.logit_attribution` with the readout made in the engine (each TP rank's heads
+    in head order; embedding and bias terms summed over the ranks)."""
+    from .engine.transport import engine_of
+    from .heads import Readout, direction, logit_attribution
+    from .lens import Norm
+
+    g, bias = direction(weights.unembed, weights.final_norm, target, versus, weights.logit_scale,
+                        weights.unembed_bias)
+    parts = engine_of(model).readout(g.tolist(), ids.tolist(), positions.tolist())
+    first = parts[0]
+    n_heads, d_head = z.shape[2], z.shape[3]
+    heads = torch.cat([p["heads"] for p in parts], dim=1).view(-1, n_heads, d_head)
+    L = heads.shape[0]
+    post = None if first["post"] is None else [tuple(Norm(n["kind"], n["weight"], n["bias"], n["eps"]) for n in pair)
+                                              for pair in first["post"]]
+    readout = Readout(heads=heads, attn_bias=sum(p["attn_bias"] for p in parts),
+                      mlp=first["mlp"] if first["mlp"] is not None else g.expand(L, -1),
+                      attn_norm_bias=first["attn_norm_bias"] if post else torch.zeros(L),
+                      mlp_bias=first["mlp_bias"] if post else torch.zeros(L), post=post,
+                      embed=sum(p["embed"] for p in parts))
+    return logit_attribution(None, target, versus, z=z, mlp=mlp, resid=resid, embed=None, attn=attn,
+                             readout=readout, final_norm=weights.final_norm, bias=bias)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from typing import Sequence
 
 import torch
@@ -275,6 +276,7 @@ def _assemble(model, req: _Request, outputs: list[dict], handoff: dict | None) -
                         **({"chat": dict(req.chat)} if req.chat else {})),
               features=[[] for _ in req.sae_specs], sae_errors=[[] for _ in req.sae_specs])
     run.tokenizer = getattr(model, "tokenizer", None)  # for labels (Run.plot); not saved with the run
+    run.engine_model = weakref.ref(model)  # nv.attribute reads the weights there while it runs; not saved
     for out in outputs:
         rid = out["request_id"]
         rec = by_external.get(rid)

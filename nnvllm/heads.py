@@ -49,8 +49,8 @@ from torch import Tensor
 from .arch import AttentionSpec
 from .lens import Norm
 
-__all__ = ["Attribution", "HeadWeights", "head_results", "logit_attribution", "pattern_chunks", "patterns",
-           "split_heads", "uncap"]
+__all__ = ["Attribution", "HeadWeights", "Readout", "direction", "head_results", "logit_attribution",
+           "pattern_chunks", "patterns", "split_heads", "uncap"]
 
 _BUDGET = 256 << 20  # bytes of fp32 scores held at once by pattern_chunks
 
@@ -345,18 +345,84 @@ def uncap(logits: Tensor, soft_cap: float | None) -> Tensor:
     return torch.atanh((logits.float() / soft_cap).clamp(-1 + 1e-7, 1 - 1e-7)) * soft_cap
 
 
-def logit_attribution(weights: HeadWeights, target: int, versus: int | None, *, z: Tensor, mlp: Tensor,
-                      resid: Tensor, embed: Tensor, attn: Tensor | None = None) -> dict[str, Tensor]:
+@dataclass
+class Readout:
+    """What each part of the stream is read with in a direct logit attribution: the direction ``g``
+    (the unembedding difference through the frozen final norm's linear part) carried back through
+    each block's weights. Small (no ``W_O``): the engine computes it where the weights are
+    (``CaptureWorker.nnvllm_readout``), or :meth:`from_weights` from :class:`HeadWeights`.
+
+    Attributes:
+        heads: ``[layer, heads, d_head]`` ``W_O[h]^T g`` (through a post-attention norm's weight).
+        attn_bias: ``[layer]`` the output projection's bias read like a head's write (divided by a
+            post-attention norm's frozen scale where there is one).
+        mlp: ``[layer, d_model]`` what an MLP output is dotted with (``g``, or through a post-MLP norm).
+        attn_norm_bias: ``[layer]`` a post-attention norm's bias dotted with ``g`` (0 without one).
+        mlp_bias: ``[layer]`` a post-MLP norm's bias dotted with ``g`` (0 without one).
+        post: per layer ``(attention norm, MLP norm)`` applied before each residual add (their frozen
+            scales divide the terms), or None.
+        embed: ``[n]`` the embedding at the attributed positions dotted with ``g``, or None (then
+            :func:`logit_attribution` takes the embedding rows).
+    """
+
+    heads: Tensor
+    attn_bias: Tensor
+    mlp: Tensor
+    attn_norm_bias: Tensor
+    mlp_bias: Tensor
+    post: list[tuple[Norm, Norm]] | None = None
+    embed: Tensor | None = None
+
+    @classmethod
+    def from_weights(cls, weights: HeadWeights, g: Tensor, n_heads: int) -> Readout:
+        L, dev = weights.n_layers, g.device
+        heads, mlp = [], []
+        attn_bias, attn_norm_bias, mlp_bias = (torch.zeros(L, device=dev) for _ in range(3))
+        post = None if weights.post_attn is None else list(zip(weights.post_attn, weights.post_mlp))
+        for layer in range(L):
+            ga = gm = g
+            if post:
+                na, nm = post[layer]
+                ga, gm = _through(na, g), _through(nm, g)
+                attn_norm_bias[layer] += _bias_dot(na, g)
+                mlp_bias[layer] += _bias_dot(nm, g)
+            heads.append((weights.w_o[layer].float().to(dev).t() @ ga).view(n_heads, -1))  # [H, d]
+            if weights.b_o is not None:
+                attn_bias[layer] += weights.b_o[layer].float().to(dev) @ ga
+            mlp.append(gm)
+        return cls(torch.stack(heads), attn_bias, torch.stack(mlp), attn_norm_bias, mlp_bias, post)
+
+
+def direction(unembed: Tensor, final_norm: Norm, target: int, versus: int | None, logit_scale: float = 1.0,
+              unembed_bias: Tensor | None = None, device=None) -> tuple[Tensor, Tensor]:
+    """``(g, bias)``: the direction in the stream whose dot product, divided by the final norm's
+    frozen scale, is a component's share of ``logit[target] - logit[versus]``; and the constant
+    the final norm's and unembedding's biases add."""
+    d = unembed[target].float().to(device) - (unembed[versus].float().to(device) if versus is not None else 0.0)
+    d = d * logit_scale
+    bias = _bias_dot(final_norm, d)
+    if unembed_bias is not None:
+        ub = unembed_bias.float().to(device)
+        bias = bias + logit_scale * (ub[target] - (ub[versus] if versus is not None else 0.0))
+    return _through(final_norm, d), bias
+
+
+def logit_attribution(weights: HeadWeights | None, target: int, versus: int | None, *, z: Tensor, mlp: Tensor,
+                      resid: Tensor, embed: Tensor | None, attn: Tensor | None = None,
+                      readout: Readout | None = None, final_norm: Norm | None = None,
+                      bias: Tensor | None = None) -> dict[str, Tensor]:
     """Direct logit attribution of ``logit[target] - logit[versus]`` at some positions of one request.
 
     Args:
-        weights: :class:`HeadWeights`.
+        weights: :class:`HeadWeights`; or None with ``readout``, ``final_norm`` and ``bias`` (what the
+            engine computed: :class:`Readout`, :func:`direction`).
         target: the token whose logit is explained.
         versus: the token it is compared with, or None (the target's logit alone).
-        z: ``[layer, n, heads, d_head]`` (or ``[layer, n, heads * d_head]``) every block's z at the n positions.
+        z: ``[layer, n, heads, d_head]`` every block's z at the n positions.
         mlp: ``[layer, n, d_model]`` every block's MLP output there.
         resid: ``[n, d_model]`` the stream after the last block there (sets the frozen final-norm scale).
-        embed: ``[n, d_model]`` the embedding there (:meth:`HeadWeights.embedding`).
+        embed: ``[n, d_model]`` the embedding there (:meth:`HeadWeights.embedding`); None where the
+            readout carries its dot products.
         attn: ``[layer, n, d_model]`` every block's attention output (needed where a norm follows
             each sublayer: its frozen scale).
 
@@ -366,54 +432,45 @@ def logit_attribution(weights: HeadWeights, target: int, versus: int | None, *, 
         ``bias`` ``[n]`` (final norm and unembedding biases), ``scale`` ``[n]`` (the frozen final-norm
         scale). Their sum is the logit difference before any final soft-cap.
     """
-    L = weights.n_layers
-    if z.shape[0] != L or mlp.shape[0] != L:
-        raise ValueError(f"z has {z.shape[0]} layers and mlp {mlp.shape[0]}; attribution needs every one of the "
-                         f"model's {L} blocks")
-    n_heads_d = weights.w_o.shape[2]
-    dev = resid.device
-    d_head = None
-    if z.ndim == 4:
-        n_heads, d_head = z.shape[2], z.shape[3]
-    else:
+    if z.ndim != 4:
         raise ValueError(f"z must be [layer, n, heads, d_head], got {tuple(z.shape)}")
-    if n_heads * d_head != n_heads_d:
-        raise ValueError(f"z has {n_heads} heads of {d_head}; W_O takes {n_heads_d} inputs")
-    post = weights.post_attn is not None
-    if post and attn is None:
+    L, n_heads, d_head = z.shape[0], z.shape[2], z.shape[3]
+    dev = resid.device
+    if readout is None:
+        if weights.n_layers != L or n_heads * d_head != weights.w_o.shape[2]:
+            raise ValueError(f"z has {L} layers of {n_heads} heads of {d_head}; the model has {weights.n_layers} "
+                             f"blocks whose W_O takes {weights.w_o.shape[2]} inputs")
+        g, bias = direction(weights.unembed, weights.final_norm, target, versus, weights.logit_scale,
+                            weights.unembed_bias, dev)
+        final_norm = weights.final_norm
+        readout = Readout.from_weights(weights, g, n_heads)
+        readout.embed = None if embed is None else embed.to(dev).float() @ g
+    if readout.heads.shape[0] != L or mlp.shape[0] != L:
+        raise ValueError(f"z has {L} layers and mlp {mlp.shape[0]}; attribution needs every one of the "
+                         f"model's {readout.heads.shape[0]} blocks")
+    if readout.heads.shape[1:] != (n_heads, d_head):
+        raise ValueError(f"z has {n_heads} heads of {d_head}; the model's W_O reads {tuple(readout.heads.shape[1:])}")
+    if readout.post is not None and attn is None:
         raise ValueError("this family normalises each sublayer's output before its residual add: pass attn "
                          "(the attention output at the same positions) for its frozen scale")
-    u = weights.unembed
-    d = u[target].float().to(dev) - (u[versus].float().to(dev) if versus is not None else 0.0)
-    d = d * weights.logit_scale
-    g = _through(weights.final_norm, d)  # c . g / scale = c's share of the logit difference
-    scale = _frozen(weights.final_norm, resid)  # [n]
-    bias = _bias_dot(weights.final_norm, d).expand(resid.shape[0]).clone()
-    if weights.unembed_bias is not None:
-        ub = weights.unembed_bias.float().to(dev)
-        bias = bias + weights.logit_scale * (ub[target] - (ub[versus] if versus is not None else 0.0))
+    scale = _frozen(final_norm, resid)  # [n]
     n = resid.shape[0]
     heads = torch.zeros(n, L, n_heads, device=dev)
     attn_bias = torch.zeros(n, L, device=dev)
     mlp_t = torch.zeros(n, L, device=dev)
     for layer in range(L):
-        ga, gm = g, g
         ra = rm = torch.ones(n, device=dev)
-        if post:
-            na, nm = weights.post_attn[layer], weights.post_mlp[layer]
-            ga, gm = _through(na, g), _through(nm, g)
+        if readout.post is not None:
+            na, nm = readout.post[layer]
             ra = 1.0 / _frozen(na, attn[layer].to(dev))
             rm = 1.0 / _frozen(nm, mlp[layer].to(dev))
-            attn_bias[:, layer] += _bias_dot(na, g)
-            mlp_t[:, layer] += _bias_dot(nm, g)
-        v = (weights.w_o[layer].float().to(dev).t() @ ga).view(n_heads, d_head)  # [H, d]
-        heads[:, layer] = torch.einsum("nhd,hd->nh", z[layer].to(dev).float(), v) * ra[:, None]
-        if weights.b_o is not None:
-            attn_bias[:, layer] += (weights.b_o[layer].float().to(dev) @ ga) * ra
-        mlp_t[:, layer] += (mlp[layer].to(dev).float() @ gm) * rm
+        heads[:, layer] = torch.einsum("nhd,hd->nh", z[layer].to(dev).float(), readout.heads[layer].to(dev)) * ra[:, None]
+        attn_bias[:, layer] = readout.attn_bias[layer].to(dev) * ra + readout.attn_norm_bias[layer].to(dev)
+        mlp_t[:, layer] = (mlp[layer].to(dev).float() @ readout.mlp[layer].to(dev)) * rm + readout.mlp_bias[layer].to(dev)
     inv = 1.0 / scale
     return {"heads": heads * inv[:, None, None], "attn_bias": attn_bias * inv[:, None], "mlp": mlp_t * inv[:, None],
-            "embed": (embed.to(dev).float() @ g) * inv, "bias": bias, "scale": scale}
+            "embed": readout.embed.to(dev).float() * inv, "bias": bias.expand(n).clone() if bias.ndim == 0 else bias,
+            "scale": scale}
 
 
 @dataclass

@@ -97,6 +97,11 @@ class Run:
     roles: list[list[str]] = field(default_factory=list)
     prompt_text: list[str] = field(default_factory=list)
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("engine_model", None)  # a weak reference to the engine that made it: not data
+        return state
+
     def __len__(self) -> int:
         return len(self.prompts)
 

@@ -9,7 +9,8 @@ which vLLM runs through its Transformers backend (its tree puts the blocks at mo
 maps itself there, Arch.in_engine; on vLLM 0.26 GPT-NeoX is native, at transformers' paths).
 
 For each: greedy tokens equal transformers'; every site within 1e-3 at fp32; the lens's last layer
-is the engine's next-token distribution; one patch cell equals the same edit made with transformers
+is the engine's next-token distribution; direct logit attribution read in the engine sums to its
+logits and equals the attribution from transformers' weights; one patch cell equals the same edit made with transformers
 hooks; and no two blocks' activation modules are one object (the GPT-2 ``mlp.act`` trap).
 """
 
@@ -61,6 +62,29 @@ def test_family_captures_match_transformers(fam, fidelity):
     else:
         with pytest.raises(ValueError, match="only a mixture-of-experts family has a router"):
             nv.generate(model, PROMPTS[0], max_tokens=1, sites=["router"])
+
+
+def test_family_attribution_read_in_the_engine(fam):
+    """nv.attribute on a live engine reads the weights there (sandwich and post norms, scaled
+    embeddings, untied heads, the Transformers backend's trees): its terms sum to the engine's logit
+    difference and equal the attribution made from transformers' copy of the weights."""
+    from nnvllm.arch import arch_for
+    from nnvllm.heads import HeadWeights
+    from nnvllm.reference import load_reference
+
+    kind, path, model = fam
+    sites = ["z", "mlp"] + (["attn"] if model.arch.heads.post_norms else [])
+    run = nv.generate(model, PROMPTS, max_tokens=3, ignore_eos=True, sites=sites)
+    att = nv.attribute(run, " Paris", " Rome")
+    hf, _ = load_reference(path)
+    ref = nv.attribute(run, " Paris", " Rome", weights=HeadWeights.from_module(hf, arch_for(hf.config.architectures),
+                                                                                hf.config))
+    for i in range(len(PROMPTS)):
+        d = att.logit_diff[i]
+        assert (att.total(i) - d).abs().max() < 1e-4 * max(1.0, float(d.abs().max())), kind
+        for part in ("heads", "mlp", "attn_bias", "embed", "bias"):
+            a, b = getattr(att, part)[i], getattr(ref, part)[i]
+            assert a.shape == b.shape and (a - b).abs().max() < 1e-4 * max(1.0, float(b.abs().max())), (kind, part)
 
 
 def test_family_lens_last_layer_is_the_engines_distribution(fam):

@@ -294,6 +294,14 @@ def test_engine_heads_equal_transformers(model, fidelity):
         out = head_results(run.sites["z"][0][layer], weights.w_o[layer], spec.n_heads).sum(1)
         out = out + (weights.b_o[layer] if weights.b_o is not None else 0)
         assert (out - run.sites["attn"][0][layer]).abs().max() < 1e-4, (kind, layer)
+    # the attribution above read the weights in the engine (its readout); from transformers' copy of the
+    # checkpoint's weights every term is the same
+    assert run.engine_model() is engine
+    here = nv.attribute(run, " Paris", " Rome", weights=weights)
+    for part in ("heads", "mlp", "attn_bias", "embed", "bias"):
+        for i in range(len(ENGINE_PROMPTS)):
+            a, b = getattr(att, part)[i], getattr(here, part)[i]
+            assert a.shape == b.shape and (a - b).abs().max() < 1e-4 * max(1.0, float(b.abs().max())), (kind, part, i)
 
 
 def test_engine_heads_of_some_layers_and_the_refusals(model):

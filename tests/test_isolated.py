@@ -339,6 +339,25 @@ def test_edits_on_an_isolated_engine(iso, toy_path, fidelity):
     assert nv.steering_vector(iso, [CORRUPT], [CLEAN], layer=3).shape == (d,)
 
 
+def test_heads_edited_and_attributed_on_an_isolated_engine(iso, toy_path):
+    """A head ablation travels to an isolated engine, and nv.attribute reads the weights in it (its
+    readout over HTTP): equal to the attribution from transformers' weights, summing to its logits."""
+    from nnvllm.arch import arch_for
+    from nnvllm.heads import HeadWeights
+    from nnvllm.reference import load_reference
+
+    kw = {"max_tokens": 2, "ignore_eos": True, "sites": ["z", "mlp"]}
+    run = nv.generate(iso, [CLEAN, CORRUPT], **kw)
+    ablated = nv.generate(iso, [CLEAN, CORRUPT], edits=[nv.Edit.set(0.0, layers=1, site="z", heads=[0])], **kw)
+    assert not ablated.sites["z"][0][1, :, 0].any() and run.sites["z"][0][1, :, 0].any()
+    att = nv.attribute(run, " Paris", " Rome")
+    hf, _ = load_reference(toy_path)
+    ref = nv.attribute(run, " Paris", " Rome", weights=HeadWeights.from_module(hf, arch_for(hf.config.architectures)))
+    for i in range(2):
+        assert (att.total(i) - att.logit_diff[i]).abs().max() < 1e-4 * max(1.0, float(att.logit_diff[i].abs().max()))
+        assert (att.heads[i] - ref.heads[i]).abs().max() < 1e-4 and (att.embed[i] - ref.embed[i]).abs().max() < 1e-4
+
+
 def test_stream_on_an_isolated_engine(iso):
     """nv.stream over HTTP (a streamed response of frames): the steps agree with the final Run, which
     equals nv.generate's; Stop keeps what was produced; leaving early leaves the engine clean."""

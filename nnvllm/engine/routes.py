@@ -1,6 +1,6 @@
 """The isolated server's endpoints, installed on nnsight's serve app (:func:`_install`).
 
-The routes are what :mod:`.server`'s docstring lists: nnvllm's capture, stream, unembed, info, files
+The routes are what :mod:`.server`'s docstring lists: nnvllm's capture, stream, unembed, readout, info, files
 and sleep endpoints, nnsight's trace endpoint with its fixes, the token check and ``/health``.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from .aborts import Calls, ClientLeft, while_client_waits  # (stdlib-only at import)
 from .procs import ENGINE_DIED, TOKEN_HEADER  # (stdlib-only at import)
-from .transport import (ARM, COLLECT, DISARM, PEEK, UNEMBED, StreamBook, collect_tokens, pack,  # (stdlib-only at import)
+from .transport import (ARM, COLLECT, DISARM, PEEK, READOUT, UNEMBED, StreamBook, collect_tokens, pack,  # (stdlib-only at import)
                         plain_output, sampling_params, unpack)
 from .wire import to_data  # (stdlib-only at import)
 
@@ -451,6 +451,17 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             return _error(500, f"{type(e).__name__}: {e}")
         return _torch_payload({"parts": [pickle.loads(p) for p in parts]})
 
+    async def readout(request: Request):
+        body = await request.json()
+        engine = serve._ready().vllm_entrypoint
+        try:
+            parts = await _rpc(engine, READOUT, (body["g"], body["ids"], body["positions"]))
+        except Exception as e:
+            if _dead(engine):
+                return _error(503, ENGINE_DIED)
+            return _error(500, f"{type(e).__name__}: {e}")
+        return _torch_payload({"parts": [pickle.loads(p) for p in parts]})
+
     async def info():
         engine = serve._ready().vllm_entrypoint
         mc = engine.model_config
@@ -507,6 +518,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         ("/v1/nnvllm/stream/stop", stream_stop, ["POST"]),
         ("/v1/nnvllm/abort", abort, ["POST"]),
         ("/v1/nnvllm/unembed", unembed, ["POST"]),
+        ("/v1/nnvllm/readout", readout, ["POST"]),
         ("/v1/nnvllm/info", info, ["GET"]),
         ("/v1/nnvllm/files", files, ["GET"]),
         ("/v1/nnvllm/sleep", sleep_, ["POST"]),

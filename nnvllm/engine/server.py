@@ -10,8 +10,8 @@ lacks nnvllm's capture methods in the worker. What this adds to nnsight's ``serv
 - the engine is nnvllm's model class (CPU worker, untied shared modules, capture hooks), ``mode="async"``;
 - anyio's lazily loaded classes are imported before nnsight (else every request returned 500);
 - a constant-time token check on every endpoint except ``/health`` (header ``ndif-api-key``);
-- ``POST /v1/nnvllm/generate`` and ``/v1/nnvllm/unembed`` (what :func:`nnvllm.generate` and
-  :func:`nnvllm.analyses.unembedding` need), ``GET /v1/nnvllm/info``, ``GET /v1/nnvllm/files``
+- ``POST /v1/nnvllm/generate``, ``/v1/nnvllm/unembed`` and ``/v1/nnvllm/readout`` (what
+  :func:`nnvllm.generate`, :func:`nnvllm.analyses.unembedding` and :func:`nnvllm.attribute` need), ``GET /v1/nnvllm/info``, ``GET /v1/nnvllm/files``
   (config + tokenizer, so a remote client can build its meta model), ``POST /v1/nnvllm/sleep|wake``;
 - ``/v1/nnsight/generate`` replaced by a copy of nnsight's handler with three fixes: nnsight's
   per-file source caches are cleared per request (an edited file or notebook cell at the same path

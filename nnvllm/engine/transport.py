@@ -47,6 +47,7 @@ PROMPT_TAG = "nnvllm_prompt"  # SamplingParams.extra_args key: the request's pro
 # The worker's RPC methods (nnvllm.engine.worker.runner.CaptureWorker), in the order a capture calls them.
 ARM, PEEK, COLLECT, DISARM = "nnvllm_arm", "nnvllm_peek", "nnvllm_collect", "nnvllm_disarm"
 UNEMBED = "nnvllm_unembed"  # each TP rank's final norm and unembedding slice
+READOUT = "nnvllm_readout"  # each TP rank's part of an attribution's readout (nnvllm.heads.Readout)
 
 
 JSON_TYPE = "application/json"
@@ -414,6 +415,12 @@ class InProcessEngine:
         import pickle
 
         return [pickle.loads(b) for b in self.llm.collective_rpc(UNEMBED, args=(final_norm, unembed))]
+
+    def readout(self, g: list[float], ids: list[int], positions: list[int]) -> list[dict]:
+        """Each TP rank's part of a direct logit attribution's readout (``CaptureWorker.nnvllm_readout``)."""
+        import pickle
+
+        return [pickle.loads(b) for b in self.llm.collective_rpc(READOUT, args=(g, ids, positions))]
 
     def info(self) -> dict:
         eng = self.llm.llm_engine

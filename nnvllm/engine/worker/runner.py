@@ -9,6 +9,7 @@ collect it, hand it over. The client never imports this module; the client side 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -157,6 +158,51 @@ class CaptureWorker:
             if cap.shm is not None:
                 cap.shm.discard()
 
+    def nnvllm_readout(self, g: list[float], ids: list[int], positions: list[int]) -> bytes:
+        """This rank's part of a direct logit attribution's readout of direction ``g`` (``[d_model]``,
+        :class:`nnvllm.heads.Readout`), made where the weights are: per block ``W_O^T g`` for the
+        heads this rank holds (through a post-attention norm's weight where the family has one), the
+        output projection's bias dotted with it (rank 0 adds that bias), the post-norms (as plain
+        values) and what an MLP output is read with; and the embedding at ``ids`` / ``positions``
+        dotted with ``g`` for the rows this rank holds (the client sums the ranks)."""
+        import pickle
+
+        from ...arch import arch_for
+        from ...heads import _bias_dot, _norm_of, _through
+
+        model = self.model_runner.get_model()
+        taps = self.model_runner._nnvllm_taps
+        a = arch_for(self.model_runner.model_config.architectures)
+        blocks = model.get_submodule(a.in_engine(model).blocks)
+        dev = self.model_runner.device
+        g = torch.tensor(g, dtype=torch.float32, device=dev)
+        heads, attn_bias, mlp, attn_norm_bias, mlp_bias, post = [], [], [], [], [], []
+        for blk in blocks:
+            ga = gm = g
+            if a.heads.post_norms:
+                na, nm = (_norm_of(blk.get_submodule(p)) for p in a.heads.post_norms)
+                ga, gm = _through(na, g), _through(nm, g)
+                attn_norm_bias.append(float(_bias_dot(na, g)))
+                mlp_bias.append(float(_bias_dot(nm, g)))
+                post.append([{"kind": n.kind, "weight": n.weight.cpu(), "eps": n.eps,
+                              "bias": None if n.bias is None else n.bias.cpu()} for n in (na, nm)])
+                mlp.append(gm.cpu())
+            out = blk.get_submodule(taps.heads["out"])
+            heads.append((_weight_t(out, self.model_runner.model_config.dtype, dev) @ ga).cpu())
+            b = getattr(out, "bias", None)
+            attn_bias.append(float(b.float() @ ga) if b is not None and taps.rank == 0 else 0.0)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
+        embed = _rows_dot(_embedding(model, a.embed), ids_t, g, taps.rank)
+        if a.embed_scale:  # Gemma: the embedding times sqrt(d_model), rounded to the model's dtype
+            embed = embed * float(torch.tensor(g.shape[0] ** 0.5, dtype=self.model_runner.model_config.dtype))
+        if a.pos_embed:
+            embed = embed + _rows_dot(_embedding(model, a.pos_embed), torch.tensor(positions, device=dev), g, taps.rank)
+        return pickle.dumps({"heads": torch.stack(heads), "attn_bias": torch.tensor(attn_bias),
+                             "attn_norm_bias": torch.tensor(attn_norm_bias) if post else None,
+                             "mlp_bias": torch.tensor(mlp_bias) if post else None,
+                             "mlp": torch.stack(mlp) if post else None, "post": post or None,
+                             "embed": embed.cpu()})
+
     def nnvllm_unembed(self, final_norm: str, unembed: str) -> bytes:
         """Return this rank's final norm and its slice of the unembedding (original vocab rows only)."""
         from ...arch import arch_for
@@ -192,3 +238,38 @@ class CaptureWorker:
             "weight": w.float().cpu(),
             "bias": None if bias is None or idx is None else bias.detach()[: idx.num_org_elements].float().cpu(),
         })
+
+
+def _embedding(model: Any, path: str) -> torch.nn.Module:
+    """An embedding at transformers' ``path`` in vLLM's tree (under vLLM's Transformers backend the
+    model's own tree sits under ``model``)."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return model.get_submodule("model." + path.split(".", 1)[1])
+
+
+def _rows_dot(emb: torch.nn.Module, ids: torch.Tensor, g: torch.Tensor, rank: int) -> torch.Tensor:
+    """``emb.weight[ids] . g`` for the rows this rank holds (0 for the others): a vocab-parallel
+    embedding holds a slice of the rows on each rank; a whole one is counted on rank 0 only."""
+    idx = getattr(emb, "shard_indices", None)
+    w = emb.weight
+    if idx is None:
+        return (w.index_select(0, ids).float() @ g) if rank == 0 else torch.zeros(len(ids), device=g.device)
+    lo, hi = idx.org_vocab_start_index, idx.org_vocab_end_index
+    mine = (ids >= lo) & (ids < hi)
+    out = torch.zeros(len(ids), device=g.device)
+    if mine.any():
+        out[mine] = w.index_select(0, ids[mine] - lo).float() @ g
+    return out
+
+
+def _weight_t(linear: torch.nn.Module, dtype: torch.dtype, device) -> torch.Tensor:
+    """``W^T`` ``[this rank's inputs, outputs]`` of one of vLLM's linear layers, float32, read through the
+    layer's own GEMM on the identity: vLLM's CPU backend packs the weight and frees ``.weight``,
+    and a quantized layer's weight is not its values; its ``quant_method`` computes with both."""
+    method = getattr(linear, "quant_method", None)
+    if method is None:  # a plain torch Linear
+        return linear.weight.detach().float().t()
+    n = getattr(linear, "input_size_per_partition", None) or linear.input_size
+    return method.apply(linear, torch.eye(n, dtype=dtype, device=device), None).float()
