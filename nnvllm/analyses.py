@@ -439,8 +439,8 @@ def _live_engine(run):
     from .engine.transport import engine_of
 
     try:
-        engine_of(model)
-    except Exception:  # closed or dead: the checkpoint still has the weights
+        engine_of(model).info()
+    except (RuntimeError, ConnectionError):  # closed or dead: the checkpoint still has the weights
         return None
     return model
 
