@@ -1,7 +1,7 @@
 """Heads on a GPU: what capturing q, k, z costs against the residual stream, patterns of a long request,
 and a direct logit attribution over a batch.
 
-    python benchmarks/heads_gpu.py --out heads_gpu.json
+    python benchmarks/heads_gpu.py
 
 Llama-1B shape (``capture_gpu.py``'s ``llama1b``: 16 layers, d=2048, 32 query heads and 8 KV heads of
 64), random fp16 weights, the in-process engine with CUDA graphs:
@@ -11,9 +11,12 @@ Llama-1B shape (``capture_gpu.py``'s ``llama1b``: 16 layers, d=2048, 32 query he
   its time beyond the tokens-only call (medians of ``--repeats`` after a warm-up on the full batch).
 - patterns: one request of 2,048 positions, every layer and head (``nnvllm.heads.patterns`` on the
   GPU, q and k moved there once), its time and the peak memory it added.
-- attribution: ``nv.attribute`` of one token pair over the 64 x 128 run (client-side projection, the
-  weights read with transformers beforehand), and how far its terms' sum is from the engine's logit
-  difference (fp16 captures).
+- attribution: ``nv.attribute`` of one token pair over the 64 x 128 run, on the live engine (the
+  weights read there: ``W_O[h]^T g`` per head by the engine) and with ``weights=`` read from
+  transformers beforehand (the projection on the client), and how far its terms' sum is from the
+  engine's logit difference (fp16 captures).
+
+Recorded in ``benchmarks/results/heads_gpu_<machine>.json`` (``benchmarks/provenance.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from capture_gpu import PROMPT_LEN, SHAPES, build, prompts  # noqa: E402
+from provenance import provenance, record  # noqa: E402
 
 
 def _median(fn, repeats: int) -> float:
@@ -46,9 +50,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--long", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default="heads_gpu.json")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--name", default=None)
     a = ap.parse_args()
 
+    prov = provenance()
     import torch
 
     import nnvllm as nv
@@ -114,19 +120,27 @@ def main() -> None:
     res["run_attention_one_layer_s"] = time.perf_counter() - t  # with the transfer of q and k
     del qs, ks, run
 
-    # attribution of one token pair over the batch (client-side projection)
+    # attribution of one token pair over the batch: on the live engine, then with transformers' weights
     run = nv.generate(model, ps, max_tokens=T, ignore_eos=True, sites=["z", "mlp"])
+    nv.attribute(run, 5, 9)  # warm-up: the engine's readout path
+    t = time.perf_counter()
+    att = nv.attribute(run, 5, 9)
+    res["attribute_engine_s"] = time.perf_counter() - t
     hf, _ = load_reference(path, "float16" if cuda else "float32")
     weights = HeadWeights.from_module(hf, arch_for(hf.config.architectures), hf.config)
     t = time.perf_counter()
-    att = nv.attribute(run, 5, 9, weights=weights)
-    res["attribute_s"] = time.perf_counter() - t
-    err = max(float((att.total(i) - att.logit_diff[i]).abs().max()) for i in range(len(run)))
-    res["attribute_identity_max_abs"] = err
+    att_w = nv.attribute(run, 5, 9, weights=weights)
+    res["attribute_weights_s"] = time.perf_counter() - t
+    for key, a_ in (("engine", att), ("weights", att_w)):
+        res[f"attribute_{key}_identity_max_abs"] = max(float((a_.total(i) - a_.logit_diff[i]).abs().max())
+                                                        for i in range(len(run)))
+    res["attribute_engine_vs_weights_heads_max_abs"] = max(float((att.heads[i] - att_w.heads[i]).abs().max())
+                                                           for i in range(len(run)))
     res["attribute_logit_diff_max_abs"] = max(float(x.abs().max()) for x in att.logit_diff)
     model.close()
-    Path(a.out).write_text(json.dumps(res, indent=1))
-    print(json.dumps(res, indent=1))
+    print(json.dumps(res, indent=1), flush=True)
+    name = a.name or f"llama1b_{a.prompts}x{T}"
+    print("recorded in", record("heads_gpu", name, res, a.out, prov))
 
 
 if __name__ == "__main__":

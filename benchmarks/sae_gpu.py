@@ -13,6 +13,9 @@ saved in sae-lens's layout. Each case: a warm-up on the full batch, then the med
   activations and the reconstruction error of every layer;
 - ``resid``: ``nv.generate(..., layers="all", logits=False)``: every layer's residual stream (the dense
   capture the features replace).
+- with ``--collect N``: ``collect_bare``, the engine's own generate of N prompts (one timed run), and
+  ``collect``, ``nv.collect`` of the same N prompts to disk keeping only the SAEs' top-k features
+  (``layers=None, logits="none", saes=..., sae_k=k``, one timed run), with the bytes it wrote.
 
 ``bare_graphs`` (vLLM's defaults: torch.compile + CUDA graphs, nothing captured) runs first in a
 process of its own (``capture_gpu.py --case bare_graphs``). Bytes handed to the client are counted
@@ -73,6 +76,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=32)
     ap.add_argument("--sae-dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--collect", type=int, default=0, help="also a feature dataset of this many prompts to disk")
     ap.add_argument("--root", default="/tmp/nnvllm-bench")
     ap.add_argument("--no-bare", action="store_true", help="skip vLLM's own bare_graphs process")
     ap.add_argument("--path", default=None, help="another checkpoint (e.g. the toy model, to try the script on a CPU)")
@@ -145,6 +149,20 @@ def main() -> None:
                     "values_max_abs": float((values.float() - want_values).abs().max()),
                     "fires_per_position": float((want_values > 0).sum(dim=-1).float().mean())}
     del first, feats, dense
+    if args.collect:
+        import shutil
+
+        many = prompts(args.collect) if not args.path else [f"The capital of France is {i}" for i in range(args.collect)]
+        s["collect_bare"] = _timed(lambda: model.llm.generate(many, sp, use_tqdm=False), 1)["median"]
+        folder = root / "sae_collect"
+        shutil.rmtree(folder, ignore_errors=True)
+        t0 = time.perf_counter()
+        ds = nv.collect(model, many, folder, max_tokens=T, ignore_eos=True, layers=None, logits="none",
+                        saes=saes, sae_k=args.k, progress=False)
+        s["collect"] = time.perf_counter() - t0
+        out["collect"] = {"prompts": args.collect, "requests": len(ds), "x collect_bare": s["collect"] / s["collect_bare"],
+                          "bytes_on_disk": sum(f.stat().st_size for f in folder.iterdir() if f.is_file())}
+        shutil.rmtree(folder, ignore_errors=True)
     model.close()
     out["ratios"] = {f"x {b}": {k: v / s[b] for k, v in s.items() if isinstance(v, float)}
                      for b in ("bare_graphs", "engine_bare") if b in s}

@@ -344,6 +344,7 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
         >>> att.top_heads(0, step=0)        # (layer, head, logit difference it adds)             # doctest: +SKIP
     """
     from .arch import arch_for
+    from .engine.transport import engine_of
     from .heads import Attribution, HeadWeights, logit_attribution, uncap
     from .lens import apply_norm
     from .results import Run
@@ -352,10 +353,7 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
         raise TypeError(f"run={_validate._show(run)}: expected an nnvllm.Run from nv.generate(..., sites=['z', 'mlp'])")
     tok = getattr(run, "tokenizer", None)
     model = _live_engine(run) if weights is None else None
-    if model is not None:  # the weights stay in the engine (the module docstring)
-        u = unembedding(model)
-        weights = HeadWeights(w_o=torch.empty(model.n_layers, 0, 0), final_norm=u.norm, unembed=u.weight,
-                              embed=torch.empty(0), unembed_bias=u.bias, logit_scale=u.scale, soft_cap=u.soft_cap)
+    if model is not None:  # the weights stay in the engine (see above)
         post = model.arch.heads.post_norms is not None
     elif weights is None:
         from .reference import load_reference
@@ -375,7 +373,7 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
     if missing or run.resid is None or list(run.layers) != list(range(L)):
         raise ValueError(f"attribution needs every block's {need} and residual stream; this run has sites "
                          f"{list(run.sites)} at layers {run.layers}. Generate with sites={need} and layers='all'.")
-    vocab = weights.unembed.shape[0]
+    vocab = weights.unembed.shape[0] if model is None else engine_of(model).info()["vocab_size"]
     t_id = _single_token(tok, target, "target", vocab) if tok is not None or not isinstance(target, str) else None
     v_id = None if versus is None else _single_token(tok, versus, "versus", vocab)
     if t_id is None:
@@ -385,11 +383,18 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
                          "would be 0 everywhere. Pass two different tokens, or versus=None.")
     # Every request's logit positions in one batch: the weights' projections are made once per call.
     n_heads = run.meta.get("attention", {}).get("n_heads")
-    parts: dict[str, list] = {k: [] for k in ("z", "mlp", "attn", "resid", "embed", "ids", "positions")}
+    where = [torch.arange(len(run.prompt_ids[i]) - 1, len(run.prompt_ids[i]) - 1 + len(run.tokens[i]))
+             for i in range(len(run))]
+    rows = [t_id] + ([v_id] if v_id is not None else [])  # the two tokens' rows of weights.unembed
+    readout = None
+    if model is not None:  # one round trip: the engine reads its weights with the two tokens' direction
+        ids = torch.cat([torch.tensor(run.sequence(i))[pos] for i, pos in enumerate(where)])
+        readout, weights = _engine_readout(model, t_id, v_id, ids, torch.cat(where))
+        rows = list(range(len(rows)))
+    parts: dict[str, list] = {k: [] for k in ("z", "mlp", "attn", "resid", "embed")}
     steps, diffs = [], []
-    for i in range(len(run)):
-        P, T = len(run.prompt_ids[i]), len(run.tokens[i])
-        pos = torch.arange(P - 1, P - 1 + T)
+    for i, pos in enumerate(where):
+        T = len(run.tokens[i])
         z = run.sites["z"][i]
         if z.ndim == 3:  # [layer, pos, heads * d_head]
             z = z.unflatten(-1, (n_heads or weights.w_o.shape[2] // z.shape[-1], -1))
@@ -399,17 +404,13 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
             parts["attn"].append(run.sites["attn"][i].index_select(1, pos))
         resid = run.resid[i][-1].index_select(0, pos).float()
         parts["resid"].append(resid)
-        ids = torch.tensor(run.sequence(i))[pos]
-        if model is None:
-            parts["embed"].append(weights.embedding(ids, pos))
-        parts["ids"].append(ids)
-        parts["positions"].append(pos)
+        if readout is None:
+            parts["embed"].append(weights.embedding(torch.tensor(run.sequence(i))[pos], pos))
         steps.append(T)
         if run.logits is not None:
             lg = uncap(run.logits[i], weights.soft_cap)
             diff = lg[:, t_id] - (lg[:, v_id] if v_id is not None else 0.0)
         else:  # the same quantity from the stream itself
-            rows = [t_id] + ([v_id] if v_id is not None else [])
             lg = apply_norm(resid, weights.final_norm) @ weights.unembed[rows].float().T
             if weights.unembed_bias is not None:
                 lg = lg + weights.unembed_bias[rows].float()
@@ -418,9 +419,10 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
         diffs.append(diff.float())
     kw = {"z": torch.cat(parts["z"], 1), "mlp": torch.cat(parts["mlp"], 1), "resid": torch.cat(parts["resid"]),
           "attn": torch.cat(parts["attn"], 1) if post else None}
-    if model is not None:
-        terms = _engine_attribution(model, weights, t_id, v_id, ids=torch.cat(parts["ids"]),
-                                    positions=torch.cat(parts["positions"]), **kw)
+    if readout is not None:
+        g_bias = readout.pop("bias")
+        terms = logit_attribution(None, t_id, v_id, embed=None, readout=readout["readout"],
+                                  final_norm=weights.final_norm, bias=g_bias, **kw)
     else:
         terms = logit_attribution(weights, t_id, v_id, embed=torch.cat(parts["embed"]), **kw)
     out = {k: list(terms[k].split(steps)) for k in ("heads", "mlp", "attn_bias", "embed", "bias")}
@@ -445,26 +447,26 @@ def _live_engine(run):
     return model
 
 
-def _engine_attribution(model, weights, target: int, versus: int | None, *, z, mlp, resid, attn, ids, positions):
-    """:func:`nnvllm.heads.logit_attribution` with the readout made in the engine (each TP rank's heads
-    in head order; embedding and bias terms summed over the ranks)."""
+def _engine_readout(model, target: int, versus: int | None, ids: Tensor, positions: Tensor):
+    """The engine's readout of ``logit[target] - logit[versus]`` (``CaptureWorker.nnvllm_readout``): the
+    :class:`~nnvllm.heads.Readout` (each TP rank's heads joined in head order; the embedding's and
+    biases' terms summed over the ranks), with a stand-in :class:`~nnvllm.heads.HeadWeights` that holds
+    the engine's final norm and the two tokens' unembedding rows (rows 0 and 1)."""
     from .engine.transport import engine_of
-    from .heads import Readout, direction, logit_attribution
-    from .lens import Norm
+    from .heads import HeadWeights, Readout
 
-    g, bias = direction(weights.unembed, weights.final_norm, target, versus, weights.logit_scale,
-                        weights.unembed_bias)
-    parts = engine_of(model).readout(g.tolist(), ids.tolist(), positions.tolist())
+    parts = engine_of(model).readout(target, versus, ids.tolist(), positions.tolist())
     first = parts[0]
-    n_heads, d_head = z.shape[2], z.shape[3]
-    heads = torch.cat([p["heads"] for p in parts], dim=1).view(-1, n_heads, d_head)
-    L = heads.shape[0]
-    post = None if first["post"] is None else [tuple(Norm(n["kind"], n["weight"], n["bias"], n["eps"]) for n in pair)
-                                              for pair in first["post"]]
-    readout = Readout(heads=heads, attn_bias=sum(p["attn_bias"] for p in parts),
-                      mlp=first["mlp"] if first["mlp"] is not None else g.expand(L, -1),
+    L = model.n_layers
+    norm = lambda n: Norm(n["kind"], n["weight"], n["bias"], n["eps"])  # noqa: E731
+    post = None if first["post"] is None else [tuple(norm(n) for n in pair) for pair in first["post"]]
+    heads = torch.cat([p["heads"] for p in parts], dim=1)  # [layer, every head's d_head], in head order
+    readout = Readout(heads=heads.view(L, -1, first["d_head"]), attn_bias=sum(p["attn_bias"] for p in parts),
+                      mlp=first["mlp"] if first["mlp"] is not None else first["g"].expand(L, -1),
                       attn_norm_bias=first["attn_norm_bias"] if post else torch.zeros(L),
                       mlp_bias=first["mlp_bias"] if post else torch.zeros(L), post=post,
                       embed=sum(p["embed"] for p in parts))
-    return logit_attribution(None, target, versus, z=z, mlp=mlp, resid=resid, embed=None, attn=attn,
-                             readout=readout, final_norm=weights.final_norm, bias=bias)
+    stand_in = HeadWeights(w_o=torch.empty(L, 0, 0), final_norm=norm(first["final_norm"]), unembed=first["rows"],
+                           embed=torch.empty(0), unembed_bias=first["row_bias"], logit_scale=first["logit_scale"],
+                           soft_cap=first["soft_cap"])
+    return {"readout": readout, "bias": first["bias"]}, stand_in

@@ -257,10 +257,11 @@ class RemoteEngine:
         # Tensors, floats and strings only: loaded without unpickling code (nnvllm.engine.wire).
         return load_data(r.content, f"the unembedding from {self.conn.url}")["parts"]
 
-    def readout(self, g: list[float], ids: list[int], positions: list[int]) -> list[dict]:
+    def readout(self, target: int, versus: int | None, ids: list[int], positions: list[int]) -> list[dict]:
         from .wire import load_data
 
-        r = self.conn.request("POST", "/v1/nnvllm/readout", json={"g": g, "ids": ids, "positions": positions})
+        r = self.conn.request("POST", "/v1/nnvllm/readout",
+                              json={"target": target, "versus": versus, "ids": ids, "positions": positions})
         return load_data(r.content, f"the attribution readout from {self.conn.url}")["parts"]
 
     def info(self) -> dict:

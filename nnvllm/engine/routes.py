@@ -455,7 +455,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         body = await request.json()
         engine = serve._ready().vllm_entrypoint
         try:
-            parts = await _rpc(engine, READOUT, (body["g"], body["ids"], body["positions"]))
+            parts = await _rpc(engine, READOUT, (body["target"], body["versus"], body["ids"], body["positions"]))
         except Exception as e:
             if _dead(engine):
                 return _error(503, ENGINE_DIED)

@@ -416,11 +416,11 @@ class InProcessEngine:
 
         return [pickle.loads(b) for b in self.llm.collective_rpc(UNEMBED, args=(final_norm, unembed))]
 
-    def readout(self, g: list[float], ids: list[int], positions: list[int]) -> list[dict]:
+    def readout(self, target: int, versus: int | None, ids: list[int], positions: list[int]) -> list[dict]:
         """Each TP rank's part of a direct logit attribution's readout (``CaptureWorker.nnvllm_readout``)."""
         import pickle
 
-        return [pickle.loads(b) for b in self.llm.collective_rpc(READOUT, args=(g, ids, positions))]
+        return [pickle.loads(b) for b in self.llm.collective_rpc(READOUT, args=(target, versus, ids, positions))]
 
     def info(self) -> dict:
         eng = self.llm.llm_engine

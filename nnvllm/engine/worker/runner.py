@@ -158,14 +158,19 @@ class CaptureWorker:
             if cap.shm is not None:
                 cap.shm.discard()
 
-    def nnvllm_readout(self, g: list[float], ids: list[int], positions: list[int]) -> bytes:
-        """This rank's part of a direct logit attribution's readout of direction ``g`` (``[d_model]``,
-        :class:`nnvllm.heads.Readout`), made where the weights are: per block ``W_O^T g`` for the
-        heads this rank holds (through a post-attention norm's weight where the family has one), the
-        output projection's bias dotted with it (rank 0 adds that bias), the post-norms (as plain
-        values) and what an MLP output is read with; and the embedding at ``ids`` / ``positions``
-        dotted with ``g`` for the rows this rank holds (the client sums the ranks)."""
+    def nnvllm_readout(self, target: int, versus: int | None, ids: list[int], positions: list[int]) -> bytes:
+        """This rank's part of the direct logit attribution of ``logit[target] - logit[versus]``
+        (:class:`nnvllm.heads.Readout`), made where the weights are. The two tokens' unembedding rows
+        (summed over the ranks that hold them, so every rank has them) through the final norm give the
+        direction ``g``; then per block ``W_O^T g`` for the heads this rank holds (through a
+        post-attention norm's weight where the family has one), the output projection's bias dotted
+        with it (rank 0 adds that bias), the post-norms as plain values and what an MLP output is read
+        with; and the embedding at ``ids`` / ``positions`` dotted with ``g`` for the rows this rank
+        holds (the client sums the ranks). Also the final norm, the two rows and the logits' scale and
+        soft-cap, for the client's frozen scale and logit difference."""
         import pickle
+
+        from vllm.distributed import tensor_model_parallel_all_reduce
 
         from ...arch import arch_for
         from ...heads import _bias_dot, _norm_of, _through
@@ -173,9 +178,22 @@ class CaptureWorker:
         model = self.model_runner.get_model()
         taps = self.model_runner._nnvllm_taps
         a = arch_for(self.model_runner.model_config.architectures)
-        blocks = model.get_submodule(a.in_engine(model).blocks)
+        ae = a.in_engine(model)
+        blocks = model.get_submodule(ae.blocks)
         dev = self.model_runner.device
-        g = torch.tensor(g, dtype=torch.float32, device=dev)
+        toks = torch.tensor([target] + ([versus] if versus is not None else []), device=dev)
+        head = model.get_submodule(ae.unembed)
+        rows = tensor_model_parallel_all_reduce(_rows(head, toks, taps.tp))  # [1 or 2, d_model]
+        bias = getattr(head, "bias", None)
+        row_bias = None if bias is None else tensor_model_parallel_all_reduce(_rows(head, toks, taps.tp, bias))
+        proc = getattr(model, "logits_processor", None)
+        scale = float(getattr(proc, "scale", None) or 1.0)
+        cap = getattr(proc, "soft_cap", None)
+        final = _norm_of(model.get_submodule(ae.final_norm))
+        d = (rows[0] - (rows[1] if versus is not None else 0.0)) * scale
+        g = _through(final, d)
+        g_bias = _bias_dot(final, d) + (0.0 if row_bias is None else scale * (
+            row_bias[0] - (row_bias[1] if versus is not None else 0.0)))
         heads, attn_bias, mlp, attn_norm_bias, mlp_bias, post = [], [], [], [], [], []
         for blk in blocks:
             ga = gm = g
@@ -184,8 +202,7 @@ class CaptureWorker:
                 ga, gm = _through(na, g), _through(nm, g)
                 attn_norm_bias.append(float(_bias_dot(na, g)))
                 mlp_bias.append(float(_bias_dot(nm, g)))
-                post.append([{"kind": n.kind, "weight": n.weight.cpu(), "eps": n.eps,
-                              "bias": None if n.bias is None else n.bias.cpu()} for n in (na, nm)])
+                post.append([_plain_norm(n) for n in (na, nm)])
                 mlp.append(gm.cpu())
             out = blk.get_submodule(taps.heads["out"])
             heads.append((_weight_t(out, self.model_runner.model_config.dtype, dev) @ ga).cpu())
@@ -197,11 +214,15 @@ class CaptureWorker:
             embed = embed * float(torch.tensor(g.shape[0] ** 0.5, dtype=self.model_runner.model_config.dtype))
         if a.pos_embed:
             embed = embed + _rows_dot(_embedding(model, a.pos_embed), torch.tensor(positions, device=dev), g, taps.rank)
-        return pickle.dumps({"heads": torch.stack(heads), "attn_bias": torch.tensor(attn_bias),
+        return pickle.dumps({"heads": torch.stack(heads), "d_head": int(taps.heads["head_size"]),
+                             "attn_bias": torch.tensor(attn_bias),
                              "attn_norm_bias": torch.tensor(attn_norm_bias) if post else None,
                              "mlp_bias": torch.tensor(mlp_bias) if post else None,
                              "mlp": torch.stack(mlp) if post else None, "post": post or None,
-                             "embed": embed.cpu()})
+                             "embed": embed.cpu(), "g": g.cpu(), "bias": torch.as_tensor(g_bias).float().cpu(),
+                             "final_norm": _plain_norm(final), "rows": rows.float().cpu(),
+                             "row_bias": None if row_bias is None else row_bias.float().cpu(),
+                             "logit_scale": scale, "soft_cap": None if cap is None else float(cap)})
 
     def nnvllm_unembed(self, final_norm: str, unembed: str) -> bytes:
         """Return this rank's final norm and its slice of the unembedding (original vocab rows only)."""
@@ -273,3 +294,26 @@ def _weight_t(linear: torch.nn.Module, dtype: torch.dtype, device) -> torch.Tens
         return linear.weight.detach().float().t()
     n = getattr(linear, "input_size_per_partition", None) or linear.input_size
     return method.apply(linear, torch.eye(n, dtype=dtype, device=device), None).float()
+
+
+def _plain_norm(n: Any) -> dict:
+    """A :class:`nnvllm.lens.Norm` as data (an attached client reads replies as data only)."""
+    return {"kind": n.kind, "weight": n.weight.float().cpu(), "eps": float(n.eps),
+            "bias": None if n.bias is None else n.bias.float().cpu()}
+
+
+def _rows(head: torch.nn.Module, toks: torch.Tensor, tp: int, values: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``toks`` of an unembedding's weight (or of ``values``, its bias) that this rank holds,
+    zeros for the rest: their sum over the ranks is the whole rows."""
+    w = head.weight if values is None else values
+    idx = getattr(head, "shard_indices", None)
+    lo, hi = (0, w.shape[0]) if idx is None else (idx.org_vocab_start_index, idx.org_vocab_end_index)
+    out = torch.zeros((len(toks),) + tuple(w.shape[1:]), dtype=torch.float32, device=w.device)
+    mine = (toks >= lo) & (toks < hi)
+    if idx is None and tp > 1:  # a whole (unsharded) head: every rank holds it; one adds it
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        mine &= get_tensor_model_parallel_rank() == 0
+    if mine.any():
+        out[mine] = w.index_select(0, toks[mine] - lo).float()
+    return out
