@@ -67,7 +67,7 @@ def main() -> None:
     path = build("llama1b", Path(tempfile.gettempdir()) / "nnvllm-bench")
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"  # (the CPU: a smoke run of the script, not a measurement)
-    model = nv.load(path, dtype="float16" if cuda else "float32", max_model_len=max(4096, a.long + 16),
+    model = nv.load(path, dtype="float16" if cuda else "float32", max_model_len=max(PROMPT_LEN + a.tokens, a.long) + 16,
                     **({"gpu_memory_utilization": 0.6, "cuda_graphs": True} if cuda else {}))
     ps, T, L = prompts(a.prompts), a.tokens, shape["layers"]
     res: dict = {"shape": shape, "prompts": a.prompts, "tokens": T, "repeats": a.repeats}
