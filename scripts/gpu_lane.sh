@@ -28,6 +28,9 @@
 #                fp32                fp32_gpu.py, where fp32 vLLM differs from transformers, layer by layer
 #                profile             profile_collect.py, where a 1,024 x 128 collect spends its time
 #                engines             engines.py, in-process against isolated on the toy model
+#                heads               heads_gpu.py, q/k/z capture GB/s against resid, 2,048-token patterns, attribution
+#                sae                 sae_gpu.py, 16 SAEs of 16k top-32 against bare generate, and a 1,024 x 128
+#                                    feature dataset to disk with nv.collect
 #   tp         the tests that take --tp, at TP (default 2) on TP GPUs (nvidia-h200-x2): test_vllm,
 #              test_edits, test_stream (the llama engine there is isolated, so both transports run)
 #
@@ -202,6 +205,8 @@ bench() {
       profile) bench_item "$item" "$PY" benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 \
                  --budget 8GB --root $root ;;
       engines) bench_item "$item" "$PY" benchmarks/engines.py --repeats 7 ;;
+      heads) bench_item "$item" "$PY" benchmarks/heads_gpu.py ;;
+      sae) bench_item "$item" "$PY" benchmarks/sae_gpu.py --collect 1024 --root $root ;;
       *) echo "bench: unknown item '$item'" >&2; note "bench_$item" 2 0 ;;
     esac
   done
