@@ -67,10 +67,14 @@ def main() -> None:
     path = build("llama1b", Path(tempfile.gettempdir()) / "nnvllm-bench")
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"  # (the CPU: a smoke run of the script, not a measurement)
-    model = nv.load(path, dtype="float16" if cuda else "float32", max_model_len=max(PROMPT_LEN + a.tokens, a.long) + 16,
+    model = nv.load(path, isolate=False, dtype="float16" if cuda else "float32", max_model_len=4096 if cuda else max(PROMPT_LEN + a.tokens, a.long) + 16,
                     **({"gpu_memory_utilization": 0.6, "cuda_graphs": True} if cuda else {}))
     ps, T, L = prompts(a.prompts), a.tokens, shape["layers"]
     res: dict = {"shape": shape, "prompts": a.prompts, "tokens": T, "repeats": a.repeats}
+    name = a.name or f"llama1b_{a.prompts}x{T}"
+
+    def keep():  # after each part: a command killed at its time limit keeps what finished
+        record("heads_gpu", name, res, a.out, prov)
 
     def gen(**kw):
         return nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False, **kw)
@@ -89,6 +93,7 @@ def main() -> None:
     res["resid_GBps"] = b_resid / (res["resid_s"] - res["tokens_only_s"]) / 1e9
     res["qkz_GBps"] = b_qkz / (res["resid_qkz_s"] - res["resid_s"]) / 1e9  # q, k, z beyond the resid call
     res["resid_qkz_GBps"] = (b_resid + b_qkz) / (res["resid_qkz_s"] - res["tokens_only_s"]) / 1e9
+    keep()
 
     # patterns of one long request, every layer and head, on the GPU
     long = " ".join(f"t{(3 * j) % 8000 + 1}" for j in range(a.long))
@@ -119,6 +124,7 @@ def main() -> None:
     float(run.attention(L - 1, device=dev)[0, -1].sum())
     res["run_attention_one_layer_s"] = time.perf_counter() - t  # with the transfer of q and k
     del qs, ks, run
+    keep()
 
     # attribution of one token pair over the batch: on the live engine, then with transformers' weights
     run = nv.generate(model, ps, max_tokens=T, ignore_eos=True, sites=["z", "mlp"])
@@ -139,7 +145,6 @@ def main() -> None:
     res["attribute_logit_diff_max_abs"] = max(float(x.abs().max()) for x in att.logit_diff)
     model.close()
     print(json.dumps(res, indent=1), flush=True)
-    name = a.name or f"llama1b_{a.prompts}x{T}"
     print("recorded in", record("heads_gpu", name, res, a.out, prov))
 
 
