@@ -141,7 +141,7 @@ run_logged() {  # name, then the command; its log is LOGS/<name>.txt
 TEST_ENV=(env "NNVLLM_GPU_MEMORY_UTILIZATION=${NNVLLM_GPU_MEMORY_UTILIZATION:-0.1}"
           "NNVLLM_KV_CACHE_MEMORY_BYTES=${NNVLLM_KV_CACHE_MEMORY_BYTES:-1073741824}")
 
-xdist() {  # workers variable, its default, more xdist arguments: "-v -n K ..." where xdist imports and K > 0
+xdist() {  # workers variable, its default, more xdist arguments: "-vv -n K ..." where xdist imports and K > 0
   local k="${!1:-$2}"; shift 2
   # -vv (net -v beside the stages' -q) names each test as it ends: a stage killed at its limit still says what ran.
   "$PY" -c "import xdist" >/dev/null 2>&1 && [ "$k" -gt 0 ] && echo "-vv -n $k $*"
