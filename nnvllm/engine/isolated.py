@@ -204,9 +204,10 @@ class RemoteEngine:
         spec = _take_returned(spec)
         sid = uuid.uuid4().hex
         buf = io.BytesIO()
-        torch.save({"prompts": prompts, "params": params, "spec": spec, "stream_id": sid}, buf)
+        asked = stop.is_set()  # stopped before it began: the stop travels with the request
+        torch.save({"prompts": prompts, "params": params, "spec": spec, "stream_id": sid, "stop": asked}, buf)
         conn, model = self.conn, self.model
-        asked = ended = False
+        ended = False
         try:
             with conn.client.stream("POST", "/v1/nnvllm/stream", content=buf.getvalue(),
                                     headers={"Content-Type": "application/octet-stream"}) as r:

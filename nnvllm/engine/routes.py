@@ -340,6 +340,8 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             return _torch_payload({"error": (type(e).__name__, str(e))})
         sid = str(req["stream_id"])
         stop, gone = asyncio.Event(), asyncio.Event()
+        if req.get("stop"):  # stopped before it began: it ends at its first step
+            stop.set()
         streams[sid] = (stop, gone)
         book = StreamBook([uuid.uuid4().hex for _ in req["prompts"]])
         out: asyncio.Queue = asyncio.Queue()  # frames, then None
