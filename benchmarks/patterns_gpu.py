@@ -1,6 +1,6 @@
 """Attention patterns of one long request on a GPU: ``nnvllm.heads.patterns`` over every layer and head.
 
-    python benchmarks/patterns_gpu.py [--positions 2048 4096] [--out DIR]
+    python benchmarks/patterns_gpu.py [--positions 2048 4096] [--out FILE]
 
 Llama-1B's attention shape (16 layers, 32 query heads, 8 KV heads of 64, grouped-query), q and k
 random on the GPU in fp16 and fp32 (what a capture holds there): the time to rebuild every layer's

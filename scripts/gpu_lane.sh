@@ -29,6 +29,7 @@
 #                profile             profile_collect.py, where a 1,024 x 128 collect spends its time
 #                engines             engines.py, in-process against isolated on the toy model
 #                heads               heads_gpu.py, q/k/z capture GB/s against resid, 2,048-token patterns, attribution
+#                patterns            patterns_gpu.py, every pattern of a 2,048- and 4,096-position request (torch only)
 #                sae                 sae_gpu.py, 16 SAEs of 16k top-32 against bare generate, and a 1,024 x 128
 #                                    feature dataset to disk with nv.collect
 #   tp         the tests that take --tp, at TP (default 2) on TP GPUs (nvidia-h200-x2): test_vllm,
@@ -206,6 +207,7 @@ bench() {
                  --budget 8GB --root $root ;;
       engines) bench_item "$item" "$PY" benchmarks/engines.py --repeats 7 ;;
       heads) bench_item "$item" "$PY" benchmarks/heads_gpu.py ;;
+      patterns) bench_item "$item" "$PY" benchmarks/patterns_gpu.py ;;
       sae) bench_item "$item" "$PY" benchmarks/sae_gpu.py --collect 1024 --root $root ;;
       *) echo "bench: unknown item '$item'" >&2; note "bench_$item" 2 0 ;;
     esac
