@@ -466,13 +466,13 @@ def hf_hooks(model, arch, edits: list[Edit], plen: int, prompt: int = 0) -> list
             for k, p in enumerate(parts):
                 mod = blocks[j].get_submodule(p) if p else blocks[j]
                 if side == "input":
-                    def pre(m, args, e=e, k=k, li=li):
-                        return (edited(e, args[0], k, len(parts), li),) + tuple(args[1:])
+                    def pre(m, args, e=e, k=k, li=li, n=len(parts)):  # bound now: the loops go on
+                        return (edited(e, args[0], k, n, li),) + tuple(args[1:])
                     handles.append(mod.register_forward_pre_hook(pre))
                 else:
-                    def post(m, args, out, e=e, k=k, li=li):
+                    def post(m, args, out, e=e, k=k, li=li, n=len(parts)):
                         if isinstance(out, tuple):
-                            return (edited(e, out[0], k, len(parts), li),) + tuple(out[1:])
-                        return edited(e, out, k, len(parts), li)
+                            return (edited(e, out[0], k, n, li),) + tuple(out[1:])
+                        return edited(e, out, k, n, li)
                     handles.append(mod.register_forward_hook(post))
     return handles

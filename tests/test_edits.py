@@ -27,7 +27,8 @@ def model(request, toy_path, tiny_paths, tp):
     return request.param, path, seed_engine(request.param, path, tp)
 
 
-def _edits(d: int, d_mlp: int, n_layers: int):
+def _edits(d: int, d_mlp: int, n_layers: int, w_in: int):
+    """Each case: an edit, or a list of edits made in one call."""
     g = torch.Generator().manual_seed(0)
     return {
         "steer resid, all positions": nv.Edit.add(torch.randn(d, generator=g), layers=[1], scale=3.0),
@@ -42,6 +43,11 @@ def _edits(d: int, d_mlp: int, n_layers: int):
         "zero mlp_act": nv.Edit.set(0.0, layers=[1], site="mlp_act"),
         "ablate mlp at two token positions (one prompt, one generated)": nv.Edit.set(0.0, layers=[1], site="mlp",
                                                                                    positions=[1, 6]),
+        # transformers splits a merged gate|up projection over two modules (llama): the first edit's
+        # hooks keep its own split while the second edit's are made
+        "steer mlp_in, then scale resid, in one call": [
+            nv.Edit.add(torch.randn(w_in, generator=g), layers=[0], site="mlp_in", scale=2.0),
+            nv.Edit.scale(0.5, layers=[1])],
     }
 
 
@@ -49,19 +55,21 @@ def test_each_edit_equals_the_same_edit_with_transformers_hooks(model, fidelity,
     kind, path, m = model
     d = m.config.hidden_size
     d_mlp = getattr(m.config, "intermediate_size", None) or getattr(m.config, "n_inner", None) or 4 * d
-    clean = nv.generate(m, PROMPTS, max_tokens=4, ignore_eos=True)
+    clean = nv.generate(m, PROMPTS, max_tokens=4, ignore_eos=True, sites=["mlp_in"])
+    w_in = clean.sites["mlp_in"][0].shape[-1]
     moved = 0
-    for name, e in _edits(d, d_mlp, m.n_layers).items():
-        if tp > 1 and e.site == "mlp_act" and e.vector is not None:
+    for name, es in _edits(d, d_mlp, m.n_layers, w_in).items():
+        es = es if isinstance(es, list) else [es]
+        if tp > 1 and any(e.site in ("mlp_in", "mlp_act") and e.vector is not None for e in es):
             continue
-        run = nv.generate(m, PROMPTS, max_tokens=4, ignore_eos=True, edits=[e], sites=["attn", "mlp"])
-        hf = fidelity.reference(path, PROMPTS, max_tokens=4, ignore_eos=True, edits=[e], sites=["attn", "mlp"])
+        run = nv.generate(m, PROMPTS, max_tokens=4, ignore_eos=True, edits=es, sites=["attn", "mlp"])
+        hf = fidelity.reference(path, PROMPTS, max_tokens=4, ignore_eos=True, edits=es, sites=["attn", "mlp"])
         assert run.tokens == hf.value.tokens, (kind, name)
         for i in range(len(PROMPTS)):
             hf.check(run.resid[i], TOL, lambda r, i=i: r.resid[i], f"{kind} {name}: resid[{i}]")
             hf.check(run.logits[i], TOL, lambda r, i=i: r.logits[i], f"{kind} {name}: logits[{i}]")
             hf.check(run.sites["attn"][i], TOL, lambda r, i=i: r.sites["attn"][i], f"{kind} {name}: attn[{i}]")
-        assert run.meta["edits"] == [e.describe() | {"layers": [j % m.n_layers for j in e.layers]}]
+        assert run.meta["edits"] == [e.describe() | {"layers": [j % m.n_layers for j in e.layers]} for e in es]
         # the edit did something: the stream moved somewhere after the first edited layer
         moved += max((a - b).abs().max().item() for a, b in zip(run.resid, clean.resid)) > 1e-2
     assert moved >= 5
