@@ -462,15 +462,16 @@ def hf_hooks(model, arch, edits: list[Edit], plen: int, prompt: int = 0) -> list
             continue
         paths, side = ((arch.heads.hf_out or arch.heads.out), "input") if e.site == "z" else arch.hf_site(e.site)
         parts = paths if isinstance(paths, tuple) else (paths,)
+        n = len(parts)  # bound into each hook below: the loops go on after it is made
         for li, j in enumerate(e.layers):
             for k, p in enumerate(parts):
                 mod = blocks[j].get_submodule(p) if p else blocks[j]
                 if side == "input":
-                    def pre(m, args, e=e, k=k, li=li, n=len(parts)):  # bound now: the loops go on
+                    def pre(m, args, e=e, k=k, li=li, n=n):
                         return (edited(e, args[0], k, n, li),) + tuple(args[1:])
                     handles.append(mod.register_forward_pre_hook(pre))
                 else:
-                    def post(m, args, out, e=e, k=k, li=li, n=len(parts)):
+                    def post(m, args, out, e=e, k=k, li=li, n=n):
                         if isinstance(out, tuple):
                             return (edited(e, out[0], k, n, li),) + tuple(out[1:])
                         return edited(e, out, k, n, li)

@@ -354,7 +354,8 @@ def _buildmodel_classes():
             text = ENGINE_LOG.text(last)
             path = getattr(self, "log_path", None)
             if path is not None and os.path.exists(path):
-                lines = open(path, errors="replace").read().splitlines()
+                with open(path, errors="replace") as f:
+                    lines = f.read().splitlines()
                 text += f"\n--- the engine process's log ({path}) ---\n" + "\n".join(
                     lines if last is None else lines[-last:])
             return LogText(text)
