@@ -1,6 +1,7 @@
 """Where the time of a big ``nv.collect`` goes: cProfile of the notebook process, per-chunk wall times.
 
     python benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 --budget 8GB
+    python benchmarks/profile_collect.py --saes 16384 --budget 4GB     (a feature dataset, as sae_gpu.py --collect)
 
 Records the wall times, the per-chunk timings and the 40 costliest functions by cumulative and by own
 time (``profile``, one line each; cProfile sees the main thread only, the shard writers run in
@@ -8,6 +9,10 @@ threads) as the run ``<shape> <prompts>x<tokens>`` of ``benchmarks/results/profi
 (or ``--out``), with the command, commit, vLLM version and date (``benchmarks/provenance.py``). Shards are written while the next chunk generates, so a chunk's
 ``generate`` and ``write_shard`` overlap. On a GPU this also needs the engine's
 side: the worker timings of each chunk are in ``nnvllm.capture._LAST_TIMINGS`` after each generate.
+
+``--saes D_SAE`` collects what ``sae_gpu.py --collect`` does: no activations and no logits, the top
+``--k`` features of a random standard SAE (``sae_gpu.random_saes``, ``--sae-dtype``) on every layer's
+residual stream; its run is named ``<shape> <prompts>x<tokens> saes<D_SAE>``.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ def main() -> None:
     ap.add_argument("--budget", default="8GB")
     ap.add_argument("--root", default="/tmp/nnvllm-prof")
     ap.add_argument("--logits", default="chosen")
+    ap.add_argument("--saes", type=int, default=0, help="features of an SAE this wide on every layer, no activations")
+    ap.add_argument("--k", type=int, default=32)
+    ap.add_argument("--sae-dtype", default="float32")
     ap.add_argument("--out", default=None, help="result file (default benchmarks/results/profile_collect_<machine>.json)")
     args = ap.parse_args()
     prov = provenance()
@@ -47,6 +55,14 @@ def main() -> None:
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     path = build(args.shape, root)
+    what: dict = {"logits": args.logits}
+    if args.saes:
+        from capture_gpu import SHAPES
+        from sae_gpu import random_saes
+
+        shape = SHAPES[args.shape]
+        folders = random_saes(root, shape["layers"], shape["d"], args.saes, args.sae_dtype)
+        what = {"logits": "none", "layers": None, "saes": [nv.SAE.load(f) for f in folders], "sae_k": args.k}
     ps = prompts(args.prompts)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     kw = {"gpu_memory_utilization": 0.6, "cuda_graphs": True} if dev == "cuda" else {"max_model_len": 512}
@@ -80,7 +96,7 @@ def main() -> None:
     t = time.perf_counter()
     prof.enable()
     nv.collect(model, ps, d, max_tokens=args.tokens, ignore_eos=True, memory_budget=args.budget,
-               logits=args.logits, progress=False)
+               progress=False, **what)
     prof.disable()
     dt = time.perf_counter() - t
     s = io.StringIO()
@@ -89,7 +105,7 @@ def main() -> None:
     st.sort_stats("tottime").print_stats(40)
     res = {"args": vars(args), "bare": bare, "collect": dt, "ratio": dt / bare, "chunks": chunks,
            "bytes": sum(f.stat().st_size for f in d.iterdir()), "profile": s.getvalue().splitlines()}
-    name = f"{args.shape} {args.prompts}x{args.tokens}"
+    name = f"{args.shape} {args.prompts}x{args.tokens}" + (f" saes{args.saes}" if args.saes else "")
     path = record("profile_collect", name, res, args.out, prov)
     print(json.dumps({k: v for k, v in res.items() if k not in ("chunks", "profile")}), flush=True)
     print(f"recorded as run {name!r} in {path}")

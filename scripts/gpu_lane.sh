@@ -27,6 +27,7 @@
 #                steer               capture_gpu.py, steering cost on the graph and the eager engine
 #                fp32                fp32_gpu.py, where fp32 vLLM differs from transformers, layer by layer
 #                profile             profile_collect.py, where a 1,024 x 128 collect spends its time
+#                profile_sae         profile_collect.py --saes 16384, the same for sae_gpu.py's feature dataset
 #                engines             engines.py, in-process against isolated on the toy model
 #                heads               heads_gpu.py, q/k/z capture GB/s against resid, 2,048-token patterns, attribution
 #                patterns            patterns_gpu.py, every pattern of a 2,048- and 4,096-position request (torch only)
@@ -205,6 +206,8 @@ bench() {
       fp32) bench_item "$item" "$PY" benchmarks/fp32_gpu.py --jobs 4 --timeout 200 ;;
       profile) bench_item "$item" "$PY" benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 \
                  --budget 8GB --root $root ;;
+      profile_sae) bench_item "$item" "$PY" benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 \
+                     --saes 16384 --budget 4GB --root $root ;;
       engines) bench_item "$item" "$PY" benchmarks/engines.py --repeats 7 ;;
       heads) bench_item "$item" "$PY" benchmarks/heads_gpu.py ;;
       patterns) bench_item "$item" "$PY" benchmarks/patterns_gpu.py ;;
