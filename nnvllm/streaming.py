@@ -68,7 +68,8 @@ class Stream:
     """Iterate for :class:`Step` s; then :attr:`run` holds the whole :class:`~nnvllm.Run`.
 
     :meth:`stop` (from any thread, e.g. a widget's button) ends the generation at the next step at
-    which every prompt has begun; :attr:`run` then holds what was produced. Leaving the loop early
+    which every prompt has begun (called before iterating: at the first step); :attr:`run` then holds
+    what was produced. Leaving the loop early
     (``break``) aborts the generation and leaves no run.
     """
 
