@@ -103,8 +103,9 @@ def _one_prompt(name: str, value: Any) -> str | list[dict]:
     return value
 
 
-def _single_token(tok, text: str | int, name: str, vocab_size: int | None = None) -> int:
-    """One token id from text (exactly one token) or an id in ``0..vocab_size-1``."""
+def _single_token(tok, text: str | int, name: str, vocab_size: int | None = None, verb: str = "patching") -> int:
+    """One token id from text (exactly one token) or an id in ``0..vocab_size-1``; ``verb`` names the
+    analysis in the error."""
     if _validate._is_int(text):
         return _validate.token_id(name, text, vocab_size)
     if not isinstance(text, str):
@@ -119,7 +120,7 @@ def _single_token(tok, text: str | int, name: str, vocab_size: int | None = None
         good = next((c for c in cands if c.strip() and len(tok.encode(c, add_special_tokens=False)) == 1), None)
         hint = f"e.g. {good!r}" if good is not None else "often with a leading space"
         raise ValueError(
-            f"{name}={text!r} is {len(ids)} tokens {pieces}; patching compares single tokens. "
+            f"{name}={text!r} is {len(ids)} tokens {pieces}; {verb} compares single tokens. "
             f"Pass one token ({hint}) or a token id."
         ) from None
     return ids[0]
@@ -374,8 +375,9 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
         raise ValueError(f"attribution needs every block's {need} and residual stream; this run has sites "
                          f"{list(run.sites)} at layers {run.layers}. Generate with sites={need} and layers='all'.")
     vocab = weights.unembed.shape[0] if model is None else engine_of(model).info()["vocab_size"]
-    t_id = _single_token(tok, target, "target", vocab) if tok is not None or not isinstance(target, str) else None
-    v_id = None if versus is None else _single_token(tok, versus, "versus", vocab)
+    t_id = _single_token(tok, target, "target", vocab, "attribution") \
+        if tok is not None or not isinstance(target, str) else None
+    v_id = None if versus is None else _single_token(tok, versus, "versus", vocab, "attribution")
     if t_id is None:
         raise ValueError(f"target={target!r}: no tokenizer to read it with; pass a token id")
     if v_id == t_id:

@@ -319,6 +319,9 @@ def test_engine_heads_of_some_layers_and_the_refusals(model):
         nv.generate(engine, ENGINE_PROMPTS[1], max_tokens=1, layers=None, sites=["z"])
     with pytest.raises(ValueError, match="unknown"):
         nv.generate(engine, ENGINE_PROMPTS[1], max_tokens=1, sites=["pattern"])
+    attributable = nv.generate(engine, ENGINE_PROMPTS[1], max_tokens=1, sites=["z", "mlp"])
     with pytest.raises(ValueError, match="same token"):
-        nv.attribute(nv.generate(engine, ENGINE_PROMPTS[1], max_tokens=1, sites=["z", "mlp"]), " Paris", " Paris")
+        nv.attribute(attributable, " Paris", " Paris")
+    with pytest.raises(ValueError, match="tokens .*; attribution compares single tokens"):
+        nv.attribute(attributable, " Paris France", " Rome")
     assert nv.generate(engine, ENGINE_PROMPTS[1], max_tokens=1).tokens  # the engine is fine
