@@ -69,8 +69,7 @@ class Stream:
 
     :meth:`stop` (from any thread, e.g. a widget's button) ends the generation at the next step at
     which every prompt has begun (called before iterating: at the first step); :attr:`run` then holds
-    what was produced. Leaving the loop early
-    (``break``) aborts the generation and leaves no run.
+    what was produced. Leaving the loop early (``break``) aborts the generation and leaves no run.
     """
 
     def __init__(self, model, req, events) -> None:
