@@ -34,6 +34,7 @@ class _Explorer:
     """
 
     widget: W.Box
+    run_button: W.Button  # the button behind the explorer's engine call (:meth:`_slow_call`)
 
     def __init__(self) -> None:
         self.error = W.HTML(value="")
@@ -71,6 +72,15 @@ class _Explorer:
             self.last_error = None
             self.error.value = ""
         return True
+
+    def _slow_call(self, fn: Callable[[], Any]) -> None:
+        """The explorer's engine call behind its button: the button is disabled while it runs, an
+        error goes to the error area, and a success clears the last one."""
+        self.run_button.disabled = True
+        try:
+            self._guard(fn, clear=True)
+        finally:
+            self.run_button.disabled = False
 
     def _clear_error(self) -> None:
         self.last_error = None

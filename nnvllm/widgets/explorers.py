@@ -133,11 +133,7 @@ class LensExplorer(_TextPrompt, _Explorer):
 
     def run(self) -> None:
         """Run the lens on the current prompt (the slow call); errors go to the error area."""
-        self.run_button.disabled = True
-        try:
-            self._guard(self._run, clear=True)
-        finally:
-            self.run_button.disabled = False
+        self._slow_call(self._run)
 
     def _run(self) -> None:
         _check_open(self.model)
@@ -227,11 +223,7 @@ class SamplesExplorer(_TextPrompt, _Explorer):
 
     def sample(self) -> None:
         """Generate with the current settings (the slow call); errors go to the error area."""
-        self.run_button.disabled = True
-        try:
-            self._guard(self._sample, clear=True)
-        finally:
-            self.run_button.disabled = False
+        self._slow_call(self._sample)
 
     def _sample(self) -> None:
         _check_open(self.model)
@@ -334,11 +326,7 @@ class PatchExplorer(_Explorer):
 
     def sweep(self) -> None:
         """Run the sweep with the current settings (the slow call); errors go to the error area."""
-        self.run_button.disabled = True
-        try:
-            self._guard(self._sweep, clear=True)
-        finally:
-            self.run_button.disabled = False
+        self._slow_call(self._sweep)
 
     def _sweep(self) -> None:
         _check_open(self.model)

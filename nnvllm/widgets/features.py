@@ -98,11 +98,7 @@ class FeatureExplorer(_Explorer):
 
     def generate(self) -> None:
         """Generate with the SAE on the current prompt (the slow call); errors go to the error area."""
-        self.run_button.disabled = True
-        try:
-            self._guard(self._generate, clear=True)
-        finally:
-            self.run_button.disabled = False
+        self._slow_call(self._generate)
 
     def _generate(self) -> None:
         _check_open(self.model)

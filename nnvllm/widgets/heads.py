@@ -124,11 +124,7 @@ class HeadExplorer(_Explorer):
 
     def generate(self) -> None:
         """Generate and attribute with the current settings (the slow call); errors go to the error area."""
-        self.run_button.disabled = True
-        try:
-            self._guard(self._generate, clear=True)
-        finally:
-            self.run_button.disabled = False
+        self._slow_call(self._generate)
 
     def _token(self, box: W.Text) -> str | None:
         return box.value if box.value != "" else None
