@@ -205,9 +205,10 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
         res[name + "_bare"] = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), repeats)
         for label, kw in (("tokens", dict(layers=None, logits=False)), ("all", {})):
-            res[f"{name}_{label}"] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, **kw), repeats)
+            res[f"{name}_{label}"] = _timed(
+                lambda kw=kw: nv.generate(model, ps, max_tokens=T, ignore_eos=True, **kw), repeats)
             res[f"{name}_{label}_steered"] = _timed(
-                lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, edits=steer, **kw), repeats)
+                lambda kw=kw: nv.generate(model, ps, max_tokens=T, ignore_eos=True, edits=steer, **kw), repeats)
             res[f"{name}_{label}_steered_eager_steps"] = bool(capture._LAST_STATS.get("eager"))
         clean = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True, layers=[L // 2 + 1], logits=False)
         run = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True, layers=[L // 2 + 1], logits=False, edits=steer)

@@ -103,18 +103,18 @@ def main() -> None:
     ks = [run.sites["k"][0][j].to(dev) for j in range(L)]
     res["long_positions"] = int(qs[0].shape[0])
 
-    def all_patterns():
+    def all_patterns(qs, ks):
         s = 0.0
         for j in range(L):
             s += float(patterns(qs[j], ks[j], spec, j)[:, -1].sum())  # each layer's result, then dropped
         return s
 
-    all_patterns()
+    all_patterns(qs, ks)
     if cuda:
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    total = all_patterns()
+    total = all_patterns(qs, ks)
     res["patterns_all_layers_s"] = time.perf_counter() - t
     if cuda:
         res["patterns_peak_added_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30

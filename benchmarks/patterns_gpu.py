@@ -44,10 +44,10 @@ def main() -> None:
             qs = [torch.randn(P, H, D, device=dev, dtype=dtype, generator=g) for _ in range(L)]
             ks = [torch.randn(P, KV, D, device=dev, dtype=dtype, generator=g) for _ in range(L)]
 
-            def every_layer():
+            def every_layer(qs, ks):
                 return sum(float(patterns(qs[j], ks[j], spec, j)[:, -1].sum()) for j in range(L))
 
-            every_layer()  # warm-up
+            every_layer(qs, ks)  # warm-up
             if dev == "cuda":
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
@@ -55,7 +55,7 @@ def main() -> None:
             ts = []
             for _ in range(5):
                 t = time.perf_counter()
-                total = every_layer()
+                total = every_layer(qs, ks)
                 ts.append(time.perf_counter() - t)
             key = f"{str(dtype).removeprefix('torch.')}_{P}"
             res[key] = {"seconds_median": statistics.median(ts), "seconds": ts,

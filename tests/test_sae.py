@@ -41,7 +41,7 @@ def _sae_lens_sae(arch: str, *, hook_name="blocks.3.hook_resid_post", seed=0, d_
     sae = sae_cls(config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in sae.named_parameters():
+        for p in sae.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.ndim == 1 else 1.0 / d_in ** 0.5))
         if arch == "jumprelu":  # thresholds a fraction of features pass
             sae.threshold.copy_(torch.rand(D_SAE, generator=g) * 0.5)

@@ -38,7 +38,7 @@ def check_steps_match_run(m, steps, run) -> None:
     k = [0] * n
     for s in steps:
         for i in range(n):
-            for j, tok in enumerate(s.tokens[i]):
+            for j in range(len(s.tokens[i])):
                 assert abs(s.probs[i][j] - float(run.samples[i].probs[k[i] + j])) < 1e-5
             k[i] += len(s.tokens[i])
             if s.tokens[i]:  # the lens at the position that produced the newest token

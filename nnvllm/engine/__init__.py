@@ -76,7 +76,8 @@ def _other_in_process_engines(model) -> list:
 
 
 def _track(model) -> None:
-    _ENGINES[id(model)] = weakref.ref(model, lambda _r, k=id(model): _ENGINES.pop(k, None))
+    key = id(model)
+    _ENGINES[key] = weakref.ref(model, lambda _r, k=key: _ENGINES.pop(k, None))
 
 
 @dataclass(frozen=True)

@@ -200,8 +200,8 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             collected = False
             try:
                 output = None
-                async for output in engine.generate(prompt, param, request_id, lora_request=lora):
-                    pass
+                async for out in engine.generate(prompt, param, request_id, lora_request=lora):
+                    output = out  # the last one is the whole output
                 entry = await acollect(engine, request_id, output)
                 collected = True
                 return ({}, None) if entry is None else (entry["saves"], entry["error"])
@@ -270,8 +270,8 @@ def _install(app, token: str, model, checkpoint: str) -> None:
 
         async def one(prompt, sp, request_id):
             output = None
-            async for output in engine.generate(prompt, sp, request_id):
-                pass
+            async for out in engine.generate(prompt, sp, request_id):
+                output = out  # the last one is the whole output
             return plain_output(output)
 
         ids = [uuid.uuid4().hex for _ in req["prompts"]]
