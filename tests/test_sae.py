@@ -384,6 +384,34 @@ def test_features_beside_the_residual_stream_are_its_encoding(toy, saes):
         torch.testing.assert_close(run.sae_errors[0][i], sae.error_norm(run.resid[i][1]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_an_sae_in_half_precision_encodes_in_it(toy, saes, dtype):
+    """``nv.SAE.load(path, dtype=...)`` in a tensor-core dtype: the engine encodes in that dtype, and its
+    features and errors are sae-lens's encoding, in that dtype, of the residual stream captured beside
+    them (within that dtype's rounding: the engine multiplies a group of SAEs at once)."""
+    from sae_lens import SAE as SaeLensSAE
+
+    _, sae32 = saes["jumprelu"]
+    half = getattr(torch, dtype)
+    sae = nv.SAE.load(sae32.path, dtype=dtype)
+    ref = SaeLensSAE.load_from_disk(sae32.path, dtype=dtype)
+    run = nv.generate(toy, PROMPTS[:2], max_tokens=STEPS, layers=[0, LAYER], saes=[sae], sae_k=16, ignore_eos=True)
+    for i in range(2):
+        x = run.resid[i][1].to(half)
+        with torch.no_grad():
+            want = ref.encode(x)
+            want_err = (x - ref.decode(want)).float().norm(dim=-1)
+        ids, values = run.features[0][i]
+        assert values.dtype == half and run.sae_errors[0][i].dtype == half
+        got = torch.zeros_like(want).scatter_(-1, ids.long(), values)  # the top 16 back into the code
+        top = want.topk(16, dim=-1).values[:, -1:]  # the 16th value: below it a feature is not in the top 16
+        sure = (_margin(sae32, run.resid[i][1]) > 0.05) & ((want - top).abs() > 0.05)
+        kept = sure & (want >= top)
+        assert kept.sum() >= 8 * want.shape[0], int(kept.sum())  # most of every position's top 16
+        torch.testing.assert_close(got.float()[kept], want.float()[kept])
+        torch.testing.assert_close(run.sae_errors[0][i].float(), want_err, rtol=2e-2, atol=2e-2)
+
+
 def test_an_sae_built_in_memory_is_saved_for_the_engine(toy, saes):
     _, sae = saes["standard"]
     copy = nv.SAE.from_state(sae.cfg, sae.tensors())  # no folder
