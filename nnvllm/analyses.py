@@ -6,6 +6,8 @@ The math lives in the pure modules (:mod:`nnvllm.lens`, :mod:`nnvllm.patching`,
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 
 from typing import Any, Sequence
@@ -346,7 +348,7 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
     """
     from .arch import arch_for
     from .engine.transport import engine_of
-    from .heads import Attribution, HeadWeights, logit_attribution, uncap
+    from .heads import Attribution, HeadWeights, Readout, direction, logit_attribution, uncap
     from .lens import apply_norm
     from .results import Run
 
@@ -383,51 +385,54 @@ def attribute(run, target: str | int, versus: str | int | None = None, *, weight
     if v_id == t_id:
         raise ValueError(f"target={target!r} and versus={versus!r} are the same token (id {t_id}); the difference "
                          "would be 0 everywhere. Pass two different tokens, or versus=None.")
-    # Every request's logit positions in one batch: the weights' projections are made once per call.
+    # The readout (the direction carried back through every block's weights) is made once per call;
+    # each request is then read at its generated steps' positions, a contiguous range: views of the
+    # captured tensors, nothing gathered or concatenated.
     n_heads = run.meta.get("attention", {}).get("n_heads")
-    where = [torch.arange(len(run.prompt_ids[i]) - 1, len(run.prompt_ids[i]) - 1 + len(run.tokens[i]))
-             for i in range(len(run))]
+    starts = [len(run.prompt_ids[i]) - 1 for i in range(len(run))]
+    steps = [len(run.tokens[i]) for i in range(len(run))]
+    where = [torch.arange(a, a + T) for a, T in zip(starts, steps)]
     rows = [t_id] + ([v_id] if v_id is not None else [])  # the two tokens' rows of weights.unembed
-    readout = None
     if model is not None:  # one round trip: the engine reads its weights with the two tokens' direction
         ids = torch.cat([torch.tensor(run.sequence(i))[pos] for i, pos in enumerate(where)])
-        readout, weights = _engine_readout(model, t_id, v_id, ids, torch.cat(where))
+        got, weights = _engine_readout(model, t_id, v_id, ids, torch.cat(where))
+        readout, g_bias = got["readout"], got["bias"]
+        embed_dots = readout.embed.float()
         rows = list(range(len(rows)))
-    parts: dict[str, list] = {k: [] for k in ("z", "mlp", "attn", "resid", "embed")}
-    steps, diffs = [], []
-    for i, pos in enumerate(where):
-        T = len(run.tokens[i])
-        z = run.sites["z"][i]
+    else:
+        if n_heads is None:  # a [layer, pos, heads, d_head] z carries its heads
+            if run.sites["z"][0].ndim != 4:
+                raise ValueError("this run does not say how many heads its z holds (meta['attention']); make it "
+                                 "with nv.generate or nv.reference, which record it")
+            n_heads = run.sites["z"][0].shape[-2]
+        g, g_bias = direction(weights.unembed, weights.final_norm, t_id, v_id, weights.logit_scale,
+                              weights.unembed_bias)
+        readout = Readout.from_weights(weights, g, int(n_heads))
+        embed_dots = torch.cat([weights.embedding(torch.tensor(run.sequence(i))[pos], pos).float() @ g
+                                for i, pos in enumerate(where)])
+    out: dict[str, list] = {k: [] for k in ("heads", "mlp", "attn_bias", "embed", "bias")}
+    diffs = []
+    off = 0
+    for i, (a, T) in enumerate(zip(starts, steps)):
+        z = run.sites["z"][i].narrow(1, a, T)
         if z.ndim == 3:  # [layer, pos, heads * d_head]
-            z = z.unflatten(-1, (n_heads or weights.w_o.shape[2] // z.shape[-1], -1))
-        parts["z"].append(z.index_select(1, pos))
-        parts["mlp"].append(run.sites["mlp"][i].index_select(1, pos))
-        if post:
-            parts["attn"].append(run.sites["attn"][i].index_select(1, pos))
-        resid = run.resid[i][-1].index_select(0, pos).float()
-        parts["resid"].append(resid)
-        if readout is None:
-            parts["embed"].append(weights.embedding(torch.tensor(run.sequence(i))[pos], pos))
-        steps.append(T)
+            z = z.unflatten(-1, (n_heads or readout.heads.shape[1], -1))
+        resid = run.resid[i][-1].narrow(0, a, T).float()
         if run.logits is not None:
-            lg = uncap(run.logits[i], weights.soft_cap)
-            diff = lg[:, t_id] - (lg[:, v_id] if v_id is not None else 0.0)
+            lg = uncap(run.logits[i][:, [t_id] + ([v_id] if v_id is not None else [])], weights.soft_cap)
         else:  # the same quantity from the stream itself
             lg = apply_norm(resid, weights.final_norm) @ weights.unembed[rows].float().T
             if weights.unembed_bias is not None:
                 lg = lg + weights.unembed_bias[rows].float()
             lg = lg * weights.logit_scale
-            diff = lg[:, 0] - (lg[:, 1] if v_id is not None else 0.0)
-        diffs.append(diff.float())
-    kw = {"z": torch.cat(parts["z"], 1), "mlp": torch.cat(parts["mlp"], 1), "resid": torch.cat(parts["resid"]),
-          "attn": torch.cat(parts["attn"], 1) if post else None}
-    if readout is not None:
-        g_bias = readout.pop("bias")
-        terms = logit_attribution(None, t_id, v_id, embed=None, readout=readout["readout"],
-                                  final_norm=weights.final_norm, bias=g_bias, **kw)
-    else:
-        terms = logit_attribution(weights, t_id, v_id, embed=torch.cat(parts["embed"]), **kw)
-    out = {k: list(terms[k].split(steps)) for k in ("heads", "mlp", "attn_bias", "embed", "bias")}
+        diffs.append((lg[:, 0] - (lg[:, 1] if v_id is not None else 0.0)).float())
+        terms = logit_attribution(None, t_id, v_id, z=z, mlp=run.sites["mlp"][i].narrow(1, a, T), resid=resid,
+                                  embed=None, attn=run.sites["attn"][i].narrow(1, a, T) if post else None,
+                                  readout=dataclasses.replace(readout, embed=embed_dots[off: off + T]),
+                                  final_norm=weights.final_norm, bias=g_bias)
+        off += T
+        for k in out:
+            out[k].append(terms[k])
     out["logit_diff"] = diffs
     labels = tuple(None if x is None else (tok.decode([x]) if tok is not None else str(x)) for x in (t_id, v_id))
     return Attribution(target=t_id, versus=v_id, labels=labels, meta={"model": run.meta.get("model")}, **out)

@@ -218,6 +218,10 @@ def head_results(z: Tensor, w_o: Tensor, n_heads: int) -> Tensor:
 # ---------------------------------------------------------------- direct logit attribution
 
 
+# Bytes of float32 a direct logit attribution converts at once (z of several layers).
+_CHUNK_BYTES = 256 << 20
+
+
 def _frozen(norm: Norm, x: Tensor) -> Tensor:
     """The norm's scale at each row of ``x`` [..., d_model]: the LayerNorm's standard deviation, the
     RMSNorm's root mean square (eps included): what the norm divides by."""
@@ -455,22 +459,36 @@ def logit_attribution(weights: HeadWeights | None, target: int, versus: int | No
                          "(the attention output at the same positions) for its frozen scale")
     scale = _frozen(final_norm, resid)  # [n]
     n = resid.shape[0]
-    heads = torch.zeros(n, L, n_heads, device=dev)
-    attn_bias = torch.zeros(n, L, device=dev)
-    mlp_t = torch.zeros(n, L, device=dev)
-    for layer in range(L):
-        ra = rm = torch.ones(n, device=dev)
-        if readout.post is not None:
-            na, nm = readout.post[layer]
-            ra = 1.0 / _frozen(na, attn[layer].to(dev))
-            rm = 1.0 / _frozen(nm, mlp[layer].to(dev))
-        heads[:, layer] = torch.einsum("nhd,hd->nh", z[layer].to(dev).float(), readout.heads[layer].to(dev)) * ra[:, None]
-        attn_bias[:, layer] = readout.attn_bias[layer].to(dev) * ra + readout.attn_norm_bias[layer].to(dev)
-        mlp_t[:, layer] = (mlp[layer].to(dev).float() @ readout.mlp[layer].to(dev)) * rm + readout.mlp_bias[layer].to(dev)
+    # Every layer at once, in chunks of layers whose float32 copy of z stays under _CHUNK_BYTES (a
+    # 4k-position request's z in float32 is 32 MB a layer on a 1B model).
+    # Each head's dot product as one matrix product per layer: z [n, heads * d_head] times a
+    # block-diagonal [heads * d_head, heads] (head h's column holds W_O[h]^T g in head h's rows), so no
+    # [n, heads, d_head] product is materialised.
+    w_heads = torch.zeros(L, n_heads, d_head, n_heads, device=dev)
+    idx = torch.arange(n_heads, device=dev)
+    w_heads[:, idx, :, idx] = readout.heads.to(dev).float().transpose(0, 1)  # [heads, layer, d_head]
+    w_heads = w_heads.flatten(1, 2)  # [layer, heads * d_head, heads]
+    w_mlp = readout.mlp.to(dev).float()[:, :, None]  # [layer, d_model, 1]
+    heads = torch.empty(L, n, n_heads, device=dev)
+    mlp_t = torch.empty(L, n, device=dev)
+    step = max(1, _CHUNK_BYTES // max(1, n * n_heads * d_head * 4))
+    for a in range(0, L, step):
+        b = min(L, a + step)
+        torch.bmm(z[a:b].flatten(-2).to(dev).float(), w_heads[a:b], out=heads[a:b])
+        mlp_t[a:b] = torch.bmm(mlp[a:b].to(dev).float(), w_mlp[a:b]).squeeze(-1)
+    attn_bias = readout.attn_bias.to(dev).float()[:, None].expand(L, n)
+    if readout.post is not None:  # each sublayer's own frozen scale divides its terms
+        ra = torch.stack([1.0 / _frozen(na, attn[layer].to(dev)) for layer, (na, _) in enumerate(readout.post)])
+        rm = torch.stack([1.0 / _frozen(nm, mlp[layer].to(dev)) for layer, (_, nm) in enumerate(readout.post)])
+        heads = heads * ra[..., None]
+        attn_bias = attn_bias * ra
+        mlp_t = mlp_t * rm
+    attn_bias = attn_bias + readout.attn_norm_bias.to(dev).float()[:, None]
+    mlp_t = mlp_t + readout.mlp_bias.to(dev).float()[:, None]
     inv = 1.0 / scale
-    return {"heads": heads * inv[:, None, None], "attn_bias": attn_bias * inv[:, None], "mlp": mlp_t * inv[:, None],
-            "embed": readout.embed.to(dev).float() * inv, "bias": bias.expand(n).clone() if bias.ndim == 0 else bias,
-            "scale": scale}
+    return {"heads": heads.permute(1, 0, 2) * inv[:, None, None], "attn_bias": attn_bias.t() * inv[:, None],
+            "mlp": mlp_t.t() * inv[:, None], "embed": readout.embed.to(dev).float() * inv,
+            "bias": bias.expand(n).clone() if bias.ndim == 0 else bias, "scale": scale}
 
 
 @dataclass

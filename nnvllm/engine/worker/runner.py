@@ -203,9 +203,9 @@ class CaptureWorker:
                 attn_norm_bias.append(float(_bias_dot(na, g)))
                 mlp_bias.append(float(_bias_dot(nm, g)))
                 post.append([_plain_norm(n) for n in (na, nm)])
-                mlp.append(gm.cpu())
+                mlp.append(gm)
             out = blk.get_submodule(taps.heads["out"])
-            heads.append((_weight_t(out, self.model_runner.model_config.dtype, dev) @ ga).cpu())
+            heads.append(_weight_t(out, self.model_runner.model_config.dtype, dev) @ ga)  # (one copy to the host below)
             b = getattr(out, "bias", None)
             attn_bias.append(float(b.float() @ ga) if b is not None and taps.rank == 0 else 0.0)
         ids_t = torch.tensor(ids, dtype=torch.long, device=dev)
@@ -214,11 +214,11 @@ class CaptureWorker:
             embed = embed * float(torch.tensor(g.shape[0] ** 0.5, dtype=self.model_runner.model_config.dtype))
         if a.pos_embed:
             embed = embed + _rows_dot(_embedding(model, a.pos_embed), torch.tensor(positions, device=dev), g, taps.rank)
-        return pickle.dumps({"heads": torch.stack(heads), "d_head": int(taps.heads["head_size"]),
+        return pickle.dumps({"heads": torch.stack(heads).cpu(), "d_head": int(taps.heads["head_size"]),
                              "attn_bias": torch.tensor(attn_bias),
                              "attn_norm_bias": torch.tensor(attn_norm_bias) if post else None,
                              "mlp_bias": torch.tensor(mlp_bias) if post else None,
-                             "mlp": torch.stack(mlp) if post else None, "post": post or None,
+                             "mlp": torch.stack(mlp).cpu() if post else None, "post": post or None,
                              "embed": embed.cpu(), "g": g.cpu(), "bias": torch.as_tensor(g_bias).float().cpu(),
                              "final_norm": _plain_norm(final), "rows": rows.float().cpu(),
                              "row_bias": None if row_bias is None else row_bias.float().cpu(),
