@@ -7,6 +7,7 @@ so ``pos`` runs over ``prompt_len + steps - 1`` entries (the last sampled token 
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -403,13 +404,31 @@ def _contiguous_parts(t: Tensor) -> list[Tensor]:
     return [t.contiguous()]
 
 
+_SMALL = 4 << 20  # pieces below this size are gathered into blocks of about this size
+
+
 def _byte_views(parts: list[Tensor]):
+    """The bytes of ``parts`` in order, as blocks of at most ``_WRITE_BLOCK``. Small pieces (a feature
+    dataset's shard holds tens of thousands of a few kilobytes each) are copied together first, so
+    a write or hash update costs one call per block, not per piece."""
+    buf = bytearray()
     for t in parts:
         if not t.numel():
             continue
         b = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        if len(b) < _SMALL:
+            buf += b
+            if len(buf) >= _SMALL:
+                yield memoryview(buf)
+                buf = bytearray()
+            continue
+        if buf:
+            yield memoryview(buf)
+            buf = bytearray()
         for a in range(0, len(b), _WRITE_BLOCK):
             yield b[a:a + _WRITE_BLOCK]
+    if buf:
+        yield memoryview(buf)
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, Pieces], metadata: dict[str, str], *,
@@ -440,24 +459,22 @@ def write_safetensors(path: str | Path, tensors: dict[str, Pieces], metadata: di
     head = struct.pack("<Q", len(raw)) + raw
     digest: list[str] = []
 
-    def hash_all() -> str:
-        h = hashlib.sha256(head)
-        for p in tensors.values():
-            for b in _byte_views(p.parts):
-                h.update(b)
-        return h.hexdigest()
-
     def write(tmp: Path) -> None:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(hash_all)
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(head)
-                    for p in tensors.values():
-                        for b in _byte_views(p.parts):
-                            f.write(b)
-            finally:
-                digest.append(fut.result())
+        # One pass over the pieces: each block is written here and hashed in a second thread, in
+        # order (one worker), while the next is written; at most a few blocks wait for the hash.
+        h = hashlib.sha256(head)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, open(tmp, "wb") as f:
+            f.write(head)
+            pending: collections.deque = collections.deque()
+            for p in tensors.values():
+                for b in _byte_views(p.parts):
+                    pending.append(pool.submit(h.update, b))
+                    f.write(b)
+                    while len(pending) > 4:
+                        pending.popleft().result()
+            for fut in pending:
+                fut.result()
+        digest.append(h.hexdigest())
 
     atomic_write(Path(path), write, fsync=fsync)
     return digest[0]
