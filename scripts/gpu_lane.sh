@@ -31,6 +31,7 @@
 #                engines             engines.py, in-process against isolated on the toy model
 #                heads               heads_gpu.py, q/k/z capture GB/s against resid, 2,048-token patterns, attribution
 #                patterns            patterns_gpu.py, every pattern of a 2,048- and 4,096-position request (torch only)
+#                attribute           attribute.py, nv.attribute's client computation over a 64 x 128 run (torch only)
 #                sae                 sae_gpu.py, 16 SAEs of 16k top-32 against bare generate, and a 1,024 x 128
 #                                    feature dataset to disk with nv.collect
 #   tp         the tests that take --tp, at TP (default 2) on TP GPUs (nvidia-h200-x2): test_vllm,
@@ -140,8 +141,11 @@ run_logged() {  # name, then the command; its log is LOGS/<name>.txt
 
 # Test engines hold a fixed 1 GiB KV cache each, so that the workers' engines share one GPU, and
 # vLLM's start check then needs only a tenth of it free.
+# NNVLLM_FAILURES_NOW: each failure's traceback is logged when it happens (tests/conftest.py), and
+# faulthandler writes every thread's stack of a test still running after FAULT_TIMEOUT seconds, so a
+# stage cut at STAGE_TIMEOUT still says why its tests failed or where one hung.
 TEST_ENV=(env "NNVLLM_GPU_MEMORY_UTILIZATION=${NNVLLM_GPU_MEMORY_UTILIZATION:-0.1}"
-          "NNVLLM_KV_CACHE_MEMORY_BYTES=${NNVLLM_KV_CACHE_MEMORY_BYTES:-1073741824}")
+          "NNVLLM_KV_CACHE_MEMORY_BYTES=${NNVLLM_KV_CACHE_MEMORY_BYTES:-1073741824}" NNVLLM_FAILURES_NOW=1)
 
 xdist() {  # workers variable, its default, more xdist arguments: "-vv -n K ..." where xdist imports and K > 0
   local k="${!1:-$2}"; shift 2
@@ -158,7 +162,8 @@ suite() {
     [ -n "$tests" ] || { echo "suite: SPLIT=$SPLIT selects no files" >&2; note suite 2 0; return; }
   fi
   run_logged suite "${TEST_ENV[@]}" NNVLLM_FIDELITY_JSON="$LOGS/fidelity_suite.json" \
-    "$PY" -m pytest -q -ra $(xdist WORKERS 8 --dist loadfile) ${PYTEST_ARGS:-} $tests --tp 1
+    "$PY" -m pytest -q -ra -o faulthandler_timeout="${FAULT_TIMEOUT:-180}" $(xdist WORKERS 8 --dist loadfile) \
+    ${PYTEST_ARGS:-} $tests --tp 1
 }
 
 notebooks() {
@@ -211,6 +216,7 @@ bench() {
       engines) bench_item "$item" "$PY" benchmarks/engines.py --repeats 7 ;;
       heads) bench_item "$item" "$PY" benchmarks/heads_gpu.py ;;
       patterns) bench_item "$item" "$PY" benchmarks/patterns_gpu.py ;;
+      attribute) bench_item "$item" "$PY" benchmarks/attribute.py ;;
       sae) bench_item "$item" "$PY" benchmarks/sae_gpu.py --collect 1024 --root $root ;;
       *) echo "bench: unknown item '$item'" >&2; note "bench_$item" 2 0 ;;
     esac

@@ -441,6 +441,17 @@ def fidelity() -> Fidelity:
     return Fidelity("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def pytest_runtest_logreport(report):
+    """With ``NNVLLM_FAILURES_NOW=1`` (scripts/gpu_lane.sh sets it) a failure's traceback is written when
+    the test fails, not in the summary at the end: a stage cut at its time limit still says why."""
+    # (under xdist the controller writes it; a worker's stderr reaches the log as well)
+    if report.failed and os.environ.get("NNVLLM_FAILURES_NOW") == "1" and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import sys
+
+        sys.stderr.write(f"\n--- FAILED {report.nodeid} ({report.when}):\n{report.longreprtext[-8000:]}\n")
+        sys.stderr.flush()
+
+
 def pytest_terminal_summary(terminalreporter):
     """On a GPU, list each fidelity check's distance and calibrated bound (NNVLLM_FIDELITY_JSON: also as JSON)."""
     rows = [r for r in _FIDELITY_LOG if r["device"] != "cpu"]

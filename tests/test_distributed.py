@@ -319,14 +319,25 @@ def test_ray_executor_equals_the_engine_without_ray(tmp_path):
     got = {}
     for backend in ("ray", None):
         extra = {"distributed_executor_backend": backend} if backend else {}
+        say = lambda what, b=backend: print(f"ray test [{b}]: {what}", flush=True)  # noqa: E731  (-s: where it is)
         # Eager: the equality does not depend on CUDA graphs, and two torch.compile starts would take
         # most of a GPU test stage's time.
         with nv.load(dtype="float32", cuda_graphs=False, **extra) as m:
+            # Should a step hang, the engine's own log says where (the test's stack is faulthandler's).
+            dump = threading.Timer(120, lambda: print(m.log(80), flush=True))
+            dump.daemon = True
+            dump.start()
+            say("loaded")
             run = nv.generate(m, TOY_PROMPTS, **kw)
+            say("generated")
             v = torch.ones(m.config.n_embd) * 0.5
             steered = nv.generate(m, TOY_PROMPTS[:2], max_tokens=3, edits=[nv.Edit.add(v, layers=1)])
+            say("steered")
             ds = nv.collect(m, TOY_PROMPTS, tmp_path / str(backend), batch_size=3, **{**KW, "progress": False})
+            say("collected")
             got[backend] = (run, steered, [ds[i] for i in range(len(TOY_PROMPTS))])
+            dump.cancel()
+        say("closed")
     (run, steered, recs), (want, want_steered, want_recs) = got["ray"], got[None]
     assert run.tokens == want.tokens and steered.tokens == want_steered.tokens
     for i in range(len(TOY_PROMPTS)):

@@ -499,6 +499,9 @@ def test_live_generation_streams_and_stops(toy):
     the Run keeps what was produced (equal to what the widget showed)."""
     import time
 
+    # An isolated engine (every engine of the GPU lane) generates ahead of the frames the widget
+    # shows, so a fast GPU can finish all 40 tokens before the click lands: the run is then whole.
+    isolated = getattr(toy, "_nnvllm_isolated", False)
     live = LiveGeneration(toy, "The capital of France is", max_tokens=40, ignore_eos=True, pace=0.05)
     deadline = time.monotonic() + 60
     while len(live.steps) < 3 and time.monotonic() < deadline:
@@ -507,7 +510,7 @@ def test_live_generation_streams_and_stops(toy):
     run = live.wait(60)
     assert live.last_error is None, live.last_error
     n = len(run.tokens[0])
-    assert 3 <= n < 40 and live.status.value == f"stopped after {n} token(s)"
+    assert (3 <= n <= 40 if isolated else 3 <= n < 40) and live.status.value == f"stopped after {n} token(s)"
     assert live.stop_button.disabled
     assert sum((s.tokens[0] for s in live.steps), []) == run.tokens[0]
     assert live.panel.value.count("<tr>") == toy.n_layers + 1
