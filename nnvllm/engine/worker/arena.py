@@ -15,6 +15,7 @@ is handed over (:mod:`.handoff`).
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,7 @@ class _Capture:
         # files of the client's dropped Runs, ready again (see _Spares); the client hears which
         self.taken_back = _SPARES.take_back(spec.get("returned")) if remote and not self.inline else []
         self.timings: dict[str, float] = {}
+        self.sae_events: list = []  # (start, end) CUDA events around each step's SAE encoding
         self.stats = {"rows": 0, "partial_prefills": 0, "steps": 0, "batch_changes": 0, "eager": bool(self.need_eager)}
         # nv.stream: positions computed per request (kept only when streaming) and how far peek() went
         self.streaming = bool(spec.get("stream"))
@@ -142,6 +144,13 @@ class _Capture:
 
     # ---- once per step
     def step(self, runner: Any) -> None:
+        h0 = time.perf_counter()
+        try:
+            self._step(runner)
+        finally:  # the host's time in the capture's part of each step (benchmarks)
+            self.timings["step_host"] = self.timings.get("step_host", 0.0) + time.perf_counter() - h0
+
+    def _step(self, runner: Any) -> None:
         t = self.taps
         n = runner.input_batch.num_reqs
         if n == 0:
@@ -203,7 +212,19 @@ class _Capture:
                 src = buf[:, :ntok]
             return src
 
-        feats = self.features.encode(source)  # each SAE once over the step's rows, before placing
+        # Each SAE once over the step's rows, before placing. Timed for the benchmarks without a host
+        # sync: the host's seconds here, and the device's through a pair of events read at collect.
+        h0 = time.perf_counter()
+        if self.features and dev.type == "cuda":
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+            feats = self.features.encode(source)
+            ev[1].record()
+            self.sae_events.append(ev)
+        else:
+            feats = self.features.encode(source)
+        if self.features:
+            self.timings["sae_host"] = self.timings.get("sae_host", 0.0) + time.perf_counter() - h0
         arenas_here = np.unique(self.tab[:, 0])
         for k in arenas_here:
             arena = self.arenas[int(k)]
@@ -306,6 +327,10 @@ class _Capture:
             self.timings["handover"] = self.timings.get("handover", 0.0) + _now(dev) - t0
         if any(s in _HEAD_SITES for s in self.sites):  # for the Run's meta: what Run.attention rebuilds with
             out["meta"] = {"attention": t.heads["spec"]}
+        if self.sae_events:
+            self.sae_events[-1][1].synchronize()
+            self.timings["sae_gpu"] = sum(a.elapsed_time(b) for a, b in self.sae_events) / 1e3
+            self.sae_events = []
         out["timings"] = dict(self.timings)
         out["sae_groups"] = self.features.where()
         out["stats"] = dict(self.stats)
