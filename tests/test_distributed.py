@@ -306,8 +306,41 @@ def test_load_refuses_the_ray_executor_where_vllm_has_none():
     assert time.monotonic() - t0 < 30 and len(nv.engines()) == before  # no engine was started
 
 
+def test_the_ray_executor_copies_nnvllm_settings_into_its_workers(monkeypatch):
+    """vLLM's Ray executor copies a fixed set of variable prefixes into its worker actors (which Ray's
+    raylet starts, so they inherit nothing else); a load with the Ray backend adds ``NNVLLM_`` to
+    them (``models.ray_copies_nnvllm_environment``), keeping the user's own, once."""
+    from vllm.ray.ray_env import get_env_vars_to_copy
+
+    from nnvllm.engine.models import ray_copies_nnvllm_environment
+
+    monkeypatch.setenv("NNVLLM_ARCHS", "{}")
+    monkeypatch.setenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", "MY_")
+    monkeypatch.setenv("MY_SETTING", "1")
+    assert "NNVLLM_ARCHS" not in get_env_vars_to_copy()  # what vLLM copies on its own
+    ray_copies_nnvllm_environment()
+    ray_copies_nnvllm_environment()
+    assert os.environ["VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"] == "MY_,NNVLLM_"
+    assert {"NNVLLM_ARCHS", "MY_SETTING"} <= get_env_vars_to_copy()
+
+
+def _where_it_waits(m, since: float) -> None:
+    """What a stuck engine says: its log, each engine process's latest stacks (``NNVLLM_STACKS``,
+    Ray's actors included) and the end of Ray's worker logs."""
+    import glob
+    import tempfile
+
+    if m is not None:
+        print(m.log(80), flush=True)
+    for f in sorted(glob.glob(os.path.join(tempfile.gettempdir(), "nnvllm-stacks-*.txt"))):
+        if os.path.getmtime(f) >= since:
+            print(f"--- {f}\n{open(f).read()[-12000:]}", flush=True)
+    for f in sorted(glob.glob("/tmp/ray/session_latest/logs/worker-*.err"))[-8:]:
+        print(f"--- {f}\n{open(f, errors='replace').read()[-3000:]}", flush=True)
+
+
 @pytest.mark.gpu
-def test_ray_executor_equals_the_engine_without_ray(tmp_path):
+def test_ray_executor_equals_the_engine_without_ray(tmp_path, monkeypatch):
     """On a GPU, TP=1 under vLLM's Ray executor (a one-GPU local Ray cluster): the same tokens,
     activations, logits and edits as the same engine on vLLM's own executor, through the taps and
     the hand-off (rank 0's worker is a Ray actor on this host: files in /dev/shm)."""
@@ -317,16 +350,19 @@ def test_ray_executor_equals_the_engine_without_ray(tmp_path):
     kw = {"max_tokens": 4, "layers": "all", "sites": ("mlp",), "logits": True, "temperature": 1.0, "seed": 3,
           "ignore_eos": True}
     got = {}
+    monkeypatch.setenv("NNVLLM_STACKS", "30")  # each engine process's stacks, for _where_it_waits
     for backend in ("ray", None):
         extra = {"distributed_executor_backend": backend} if backend else {}
         say = lambda what, b=backend: print(f"ray test [{b}]: {what}", flush=True)  # noqa: E731  (-s: where it is)
         # Eager: the equality does not depend on CUDA graphs, and two torch.compile starts would take
         # most of a GPU test stage's time.
+        # Should the load or a call hang, the engine says where (the test's own stack is faulthandler's).
+        held: dict = {}
+        dump = threading.Timer(120, lambda h=held: _where_it_waits(h.get("m"), time.time() - 600))
+        dump.daemon = True
+        dump.start()
         with nv.load(dtype="float32", cuda_graphs=False, **extra) as m:
-            # Should a step hang, the engine's own log says where (the test's stack is faulthandler's).
-            dump = threading.Timer(120, lambda: print(m.log(80), flush=True))
-            dump.daemon = True
-            dump.start()
+            held["m"] = m
             say("loaded")
             run = nv.generate(m, TOY_PROMPTS, **kw)
             say("generated")

@@ -503,3 +503,37 @@ def test_ctrl_c_on_an_isolated_engine_is_one_line_and_the_engine_stays_ready(iso
         stopped.value)
     h, lg = _trace(iso, CLEAN)
     assert int(lg.argmax()) == expected.tokens[0][0] and torch.equal(h, _trace(iso, CLEAN)[0])
+
+
+# ---------------------------------------------------------------- where a stuck engine waits
+
+
+def test_each_engine_process_writes_its_stacks_when_asked(toy_path, monkeypatch):
+    """``NNVLLM_STACKS=SECONDS``: an isolated engine's server and its worker process each write every
+    thread's Python stack to ``<tmp>/nnvllm-stacks-<pid>.txt`` every SECONDS, and the engine works as
+    usual; a value that is not a number is refused by name."""
+    import tempfile
+
+    import psutil
+
+    from nnvllm.engine.logs import dump_stacks_if_asked
+
+    monkeypatch.setenv("NNVLLM_STACKS", "soon")
+    with pytest.raises(ValueError, match="NNVLLM_STACKS='soon': expected a number of seconds"):
+        dump_stacks_if_asked()
+    monkeypatch.setenv("NNVLLM_STACKS", "1")
+    m = nv.load(toy_path, isolate=True, dtype="float32")
+    files = []
+    try:
+        pids = [m.pid] + [p.pid for p in psutil.Process(m.pid).children(recursive=True)]
+        files = [os.path.join(tempfile.gettempdir(), f"nnvllm-stacks-{p}.txt") for p in pids]
+        assert nv.generate(m, CLEAN, max_tokens=2).tokens
+        time.sleep(2.5)
+        written = [f for f in files if os.path.exists(f) and "## thread MainThread" in open(f).read()]
+        assert files[0] in written, "the server wrote no stacks"
+        assert len(written) >= 2, f"no worker process wrote stacks: {written} of {files}"
+    finally:
+        m.close()
+        for f in files:
+            if os.path.exists(f):
+                os.unlink(f)

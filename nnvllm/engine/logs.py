@@ -159,3 +159,52 @@ def keep_excepthook():
         yield
     finally:
         sys.excepthook = hook
+
+
+# ---------------------------------------------------------------- stacks of a stuck engine
+
+STACKS_ENV = "NNVLLM_STACKS"
+_STACKS_STARTED: dict[int, str] = {}  # pid -> its file (a forked child starts its own thread)
+
+
+def dump_stacks_if_asked() -> str | None:
+    """Under ``NNVLLM_STACKS=SECONDS``: every SECONDS, write every thread's Python stack of this process
+    to ``<tmp>/nnvllm-stacks-<pid>.txt`` (rewritten each time: the latest stacks). Called in each engine
+    process (an isolated engine's server, each worker), so a hang shows where each process waits.
+    A daemon thread reads the stacks under the GIL (``sys._current_frames``); faulthandler's timer
+    is not used, because it reads other threads' frames without the GIL and can crash a process
+    whose threads come and go. Returns the file's path, or None when not asked."""
+    v = os.environ.get(STACKS_ENV, "").strip()
+    if not v:
+        return None
+    try:
+        every = float(v)
+    except ValueError:
+        raise ValueError(f"{STACKS_ENV}={v!r}: expected a number of seconds (e.g. 60)") from None
+    if every <= 0:
+        raise ValueError(f"{STACKS_ENV}={v!r}: expected a number of seconds above 0 (e.g. 60)")
+    if os.getpid() in _STACKS_STARTED:
+        return _STACKS_STARTED[os.getpid()]
+    import tempfile
+    import threading
+    import time
+    import traceback
+
+    path = os.path.join(tempfile.gettempdir(), f"nnvllm-stacks-{os.getpid()}.txt")
+    _STACKS_STARTED[os.getpid()] = path
+
+    def write() -> None:
+        while True:  # (a daemon: it ends with the process)
+            time.sleep(every)
+            names = {t.ident: t.name for t in threading.enumerate()}
+            lines = [f"# pid {os.getpid()}, {time.strftime('%H:%M:%S')}: every thread's stack, most recent call last\n"]
+            for ident, frame in sys._current_frames().items():
+                lines.append(f"\n## thread {names.get(ident, '?')} ({ident})\n")
+                lines.extend(traceback.format_stack(frame))
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(lines)
+            os.replace(tmp, path)
+
+    threading.Thread(target=write, name="nnvllm-stacks", daemon=True).start()
+    return path

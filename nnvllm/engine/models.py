@@ -401,6 +401,8 @@ def _buildmodel_classes():
             self._nnvllm_graphs = bool(kwargs.pop("cuda_graphs", False))
             if kwargs.pop("exact", False):
                 exact_environment()
+            if kwargs.get("distributed_executor_backend") == "ray":
+                ray_copies_nnvllm_environment()
             return super()._load(repo_id, **kwargs)
 
         def _load_sync(self, repo_id: str, **kwargs: Any):
@@ -423,6 +425,20 @@ def _buildmodel_classes():
         pass
 
     return GPUModel, CPUModel
+
+
+def ray_copies_nnvllm_environment() -> None:
+    """Have vLLM's Ray executor copy ``NNVLLM_*`` variables into its worker actors.
+
+    The executor copies a fixed set of prefixes (``VLLM_``, ``NCCL_``, ``HF_``, ...) from the process
+    that starts it, plus those named in ``VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY``; a Ray actor is
+    started by Ray's raylet, not by this process, so it inherits nothing else. The workers read
+    nnvllm's settings there (families registered with :func:`nnvllm.arch.register_arch` in
+    ``NNVLLM_ARCHS``, the static-buffer budget, the hand-off mode, ``NNVLLM_STACKS``)."""
+    name = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+    have = [p.strip() for p in os.environ.get(name, "").split(",") if p.strip()]
+    if "NNVLLM_" not in have:
+        os.environ[name] = ",".join(have + ["NNVLLM_"])
 
 
 def default_cuda_graphs() -> bool:

@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     # vLLM's own log format in this process's log file (a notebook client turns vLLM's configuring off).
     os.environ["VLLM_CONFIGURE_LOGGING"] = "1"
     _preload_anyio()
+    from .logs import dump_stacks_if_asked
+
+    dump_stacks_if_asked()
     args, engine_args = _parse(argv)
     token = args.token or os.environ.pop(TOKEN_ENV, None)
     if not token:

@@ -26,6 +26,9 @@ class RecordingRunner:
     """
 
     def load_model(self, *args, **kwargs) -> None:
+        from ..logs import dump_stacks_if_asked
+
+        dump_stacks_if_asked()  # (NNVLLM_STACKS: where a stuck worker waits, see docs/engines.md)
         super().load_model(*args, **kwargs)
         self.nnvllm_install()  # before vLLM records its CUDA graphs (capture_model comes later)
         sweep_stale()
