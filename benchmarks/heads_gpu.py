@@ -14,7 +14,7 @@ Llama-1B shape (``capture_gpu.py``'s ``llama1b``: 16 layers, d=2048, 32 query he
 - attribution: ``nv.attribute`` of one token pair over the 64 x 128 run, on the live engine (the
   weights read there: ``W_O[h]^T g`` per head by the engine) and with ``weights=`` read from
   transformers beforehand (the projection on the client), and how far its terms' sum is from the
-  engine's logit difference (fp16 captures).
+  engine's logit difference (fp16 captures); medians of ``--repeats``, the two ways in turn.
 
 Recorded in ``benchmarks/results/heads_gpu_<machine>.json`` (``benchmarks/provenance.py``).
 """
@@ -142,15 +142,20 @@ def main() -> None:
 
     # attribution of one token pair over the batch: on the live engine, then with transformers' weights
     run = nv.generate(model, ps, max_tokens=T, ignore_eos=True, sites=["z", "mlp"])
-    nv.attribute(run, 5, 9)  # warm-up: the engine's readout path
-    t = time.perf_counter()
-    att = nv.attribute(run, 5, 9)
-    res["attribute_engine_s"] = time.perf_counter() - t
     hf, _ = load_reference(path, "float16" if cuda else "float32")
     weights = HeadWeights.from_module(hf, arch_for(hf.config.architectures), hf.config)
-    t = time.perf_counter()
-    att_w = nv.attribute(run, 5, 9, weights=weights)
-    res["attribute_weights_s"] = time.perf_counter() - t
+    ways = {"engine": lambda: nv.attribute(run, 5, 9), "weights": lambda: nv.attribute(run, 5, 9, weights=weights)}
+    got = {k: fn() for k, fn in ways.items()}  # warm-up (the engine's readout path)
+    times: dict = {k: [] for k in ways}
+    for _ in range(a.repeats):  # in turn, as above
+        for k, fn in ways.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    for k in ways:
+        res[f"attribute_{k}_s"] = statistics.median(times[k])
+        res[f"attribute_{k}_all_s"] = times[k]
+    att, att_w = got["engine"], got["weights"]
     for key, a_ in (("engine", att), ("weights", att_w)):
         res[f"attribute_{key}_identity_max_abs"] = max(float((a_.total(i) - a_.logit_diff[i]).abs().max())
                                                         for i in range(len(run)))
