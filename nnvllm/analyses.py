@@ -7,9 +7,7 @@ The math lives in the pure modules (:mod:`nnvllm.lens`, :mod:`nnvllm.patching`,
 from __future__ import annotations
 
 import dataclasses
-
 import warnings
-
 from typing import Any, Sequence
 
 import torch

@@ -459,11 +459,10 @@ def logit_attribution(weights: HeadWeights | None, target: int, versus: int | No
                          "(the attention output at the same positions) for its frozen scale")
     scale = _frozen(final_norm, resid)  # [n]
     n = resid.shape[0]
-    # Every layer at once, in chunks of layers whose float32 copy of z stays under _CHUNK_BYTES (a
-    # 4k-position request's z in float32 is 32 MB a layer on a 1B model).
     # Each head's dot product as one matrix product per layer: z [n, heads * d_head] times a
     # block-diagonal [heads * d_head, heads] (head h's column holds W_O[h]^T g in head h's rows), so no
-    # [n, heads, d_head] product is materialised.
+    # [n, heads, d_head] product is materialised; layers go in chunks whose float32 copy of z stays
+    # under _CHUNK_BYTES (a 4k-position request's z in float32 is 32 MB a layer on a 1B model).
     w_heads = torch.zeros(L, n_heads, d_head, n_heads, device=dev)
     idx = torch.arange(n_heads, device=dev)
     w_heads[:, idx, :, idx] = readout.heads.to(dev).float().transpose(0, 1)  # [heads, layer, d_head]
