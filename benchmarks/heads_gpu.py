@@ -34,6 +34,21 @@ from capture_gpu import PROMPT_LEN, SHAPES, build, prompts  # noqa: E402
 from provenance import provenance, record  # noqa: E402
 
 
+def in_turn(cases: dict, repeats: int, res: dict, prefix: str = "") -> None:
+    """Time each of ``cases`` (name -> call, warmed up by the caller) ``repeats`` times, the cases in
+    turn, so a drift of the machine's speed lands on all alike; ``res[prefix + name + "_s"]`` is the
+    median, ``..._all_s`` every time."""
+    times: dict = {k: [] for k in cases}
+    for _ in range(repeats):
+        for k, fn in cases.items():
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+    for k, ts in times.items():
+        res[f"{prefix}{k}_s"] = statistics.median(ts)
+        res[f"{prefix}{k}_all_s"] = ts
+
+
 def gbps(res: dict) -> dict:
     """GB/s of each recording: its bytes over its time beyond the tokens-only call. Where a call took
     no longer than the one it is compared with (the difference is inside the run-to-run spread), the
@@ -88,18 +103,10 @@ def main() -> None:
     # lands on all three alike (their differences are a few tenths of a second).
     cases = {"tokens_only": lambda: gen(layers=None), "resid": lambda: gen(layers="all"),
              "resid_qkz": lambda: gen(layers="all", sites=["q", "k", "z"])}
-    times: dict = {k: [] for k in cases}
     for k, fn in cases.items():  # warm-up on the full batch, each once
         fn()
         res[f"{k}_eager_steps"] = bool(capture._LAST_STATS.get("eager"))
-    for _ in range(a.repeats):
-        for k, fn in cases.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    for k in cases:
-        res[f"{k}_s"] = statistics.median(times[k])
-        res[f"{k}_all_s"] = times[k]
+    in_turn(cases, a.repeats, res)
     pos = a.prompts * (PROMPT_LEN + T - 1)
     d, hd = shape["d"], shape["d"] // shape["heads"]
     widths = {"resid": d, "q": shape["heads"] * hd, "k": shape["kv"] * hd, "z": shape["heads"] * hd}
@@ -146,15 +153,7 @@ def main() -> None:
     weights = HeadWeights.from_module(hf, arch_for(hf.config.architectures), hf.config)
     ways = {"engine": lambda: nv.attribute(run, 5, 9), "weights": lambda: nv.attribute(run, 5, 9, weights=weights)}
     got = {k: fn() for k, fn in ways.items()}  # warm-up (the engine's readout path)
-    times: dict = {k: [] for k in ways}
-    for _ in range(a.repeats):  # in turn, as above
-        for k, fn in ways.items():
-            t = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t)
-    for k in ways:
-        res[f"attribute_{k}_s"] = statistics.median(times[k])
-        res[f"attribute_{k}_all_s"] = times[k]
+    in_turn(ways, a.repeats, res, "attribute_")
     att, att_w = got["engine"], got["weights"]
     for key, a_ in (("engine", att), ("weights", att_w)):
         res[f"attribute_{key}_identity_max_abs"] = max(float((a_.total(i) - a_.logit_diff[i]).abs().max())
