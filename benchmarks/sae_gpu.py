@@ -5,17 +5,23 @@
 
 One in-process engine with CUDA graphs (``nv.load(path, cuda_graphs=True)``), random fp16 weights
 (``capture_gpu.build``), greedy, ``ignore_eos``, prompts of 16 tokens; random standard (ReLU) SAEs
-saved in sae-lens's layout. Each case: a warm-up on the full batch, then the median of ``--repeats``:
+saved in sae-lens's layout. Each case: a warm-up on the full batch, then the median of ``--repeats``
+rounds in which every case runs once, in turn:
 
 - ``engine_bare``: the engine's own ``model.llm.generate`` (nothing captured);
 - ``tokens``: ``nv.generate(..., layers=None, logits=False)`` (tokens and samples only);
 - ``features``: the same with ``saes=[one per layer]``, ``sae_k=k``: per position the top-k ids and
   activations and the reconstruction error of every layer;
+- ``features_one_stream``: the same with ``NNVLLM_SAE_STREAM=0``, the SAEs encoded on the engine's own
+  CUDA stream instead of one beside it (the default; checked equal bit for bit);
 - ``resid``: ``nv.generate(..., layers="all", logits=False)``: every layer's residual stream (the dense
   capture the features replace).
 - with ``--collect N``: ``collect_bare``, the engine's own generate of N prompts (one timed run), and
   ``collect``, ``nv.collect`` of the same N prompts to disk keeping only the SAEs' top-k features
   (``layers=None, logits="none", saes=..., sae_k=k``, one timed run), with the bytes it wrote.
+
+``--profile FILE`` writes torch's profile of one call of ``tokens``, ``features`` and
+``features_one_stream`` (top operators by device and by host time).
 
 ``bare_graphs`` (vLLM's defaults: torch.compile + CUDA graphs, nothing captured) runs first in a
 process of its own (``capture_gpu.py --case bare_graphs``). Bytes handed to the client are counted
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -58,6 +65,51 @@ def random_saes(root: Path, layers: int, d: int, d_sae: int, dtype: str) -> list
     return out
 
 
+def in_turn(cases: dict, repeats: int, seconds: dict, out: dict) -> None:
+    """Time the cases in turn, ``repeats`` rounds, so a drift of the machine's speed lands on all alike:
+    ``seconds[name]`` the median, ``out["all_s"][name]`` every time; ``out["worker_timings"][name]``
+    nnvllm's timings of the case's last call (worker and client: ``capture._LAST_TIMINGS``)."""
+    from nnvllm import capture
+
+    times: dict = {k: [] for k in cases}
+    out["worker_timings"] = {}
+    for _ in range(repeats):
+        for k, fn in cases.items():
+            capture._LAST_TIMINGS.clear()
+            t = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t)
+            out["worker_timings"][k] = dict(capture._LAST_TIMINGS)
+            out.setdefault("eager_steps", {})[k] = bool(capture._LAST_STATS.get("eager"))
+    for k, ts in times.items():
+        seconds[k] = statistics.median(ts)
+    out["all_s"] = times
+
+
+def profile(cases: dict, names, path: str) -> dict:
+    """One call of each named case under torch's profiler: the top operators by device and by host
+    time written to ``path`` (text), and per case the device's busy seconds against the wall's."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    summary, text = {}, []
+    for name in names:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            cases[name]()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        ka = prof.key_averages()
+        dev_s = sum(e.self_device_time_total for e in ka) / 1e6
+        summary[name] = {"wall_s": wall, "device_busy_s": dev_s}
+        text.append(f"==== {name}: wall {wall:.3f} s, device kernels {dev_s:.3f} s\n")
+        text.append(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
+        text.append(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    Path(path).write_text("\n".join(text))
+    return summary
+
+
 def nbytes(x) -> int:
     import torch
 
@@ -75,11 +127,12 @@ def main() -> None:
     ap.add_argument("--d-sae", type=int, default=16384)
     ap.add_argument("--k", type=int, default=32)
     ap.add_argument("--sae-dtype", default="float32")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--collect", type=int, default=0, help="also a feature dataset of this many prompts to disk")
     ap.add_argument("--root", default="/tmp/nnvllm-bench")
     ap.add_argument("--no-bare", action="store_true", help="skip vLLM's own bare_graphs process")
     ap.add_argument("--path", default=None, help="another checkpoint (e.g. the toy model, to try the script on a CPU)")
+    ap.add_argument("--profile", default=None, help="write a torch profile of one call of tokens and features here")
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
@@ -113,8 +166,6 @@ def main() -> None:
     from vllm import SamplingParams
 
     import nnvllm as nv
-    from nnvllm import capture
-
     t0 = time.perf_counter()
     folders = random_saes(root, L, shape["d"], args.d_sae, args.sae_dtype)
     saes = [nv.SAE.load(f) for f in folders]
@@ -125,19 +176,31 @@ def main() -> None:
     ps = prompts(n) if not args.path else [f"The capital of France is {i}" for i in range(n)]
     sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
     s = out["seconds"]
-    s["engine_bare"] = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), args.repeats)["median"]
-    s["tokens"] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False),
-                         args.repeats)["median"]
+    def gen(**kw):
+        return lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False, **kw)
+
+    def one_stream():  # the SAEs encoded on the engine's stream (NNVLLM_SAE_STREAM=0), for the A/B
+        os.environ["NNVLLM_SAE_STREAM"] = "0"
+        try:
+            return gen(layers=None, saes=saes, sae_k=args.k)()
+        finally:
+            os.environ.pop("NNVLLM_SAE_STREAM", None)
+
+    cases = {"engine_bare": lambda: model.llm.generate(ps, sp, use_tqdm=False), "tokens": gen(layers=None),
+             "features": gen(layers=None, saes=saes, sae_k=args.k), "features_one_stream": one_stream,
+             "resid": gen()}
     t0 = time.perf_counter()
-    first = nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False, saes=saes, sae_k=args.k)
+    cases["features"]()
     out["features_first_call_s"] = time.perf_counter() - t0  # reads the SAEs onto the device
-    s["features"] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False,
-                                               saes=saes, sae_k=args.k), args.repeats)["median"]
-    out["features_worker_timings"] = dict(capture._LAST_TIMINGS)
-    out["features_eager_steps"] = bool(capture._LAST_STATS.get("eager"))
-    s["resid"] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False),
-                        args.repeats)["median"]
+    for fn in cases.values():  # a warm-up each
+        fn()
+    in_turn(cases, args.repeats, s, out)
+    if args.profile:
+        out["profile"] = profile(cases, ("tokens", "features", "features_one_stream"), args.profile)
     feats = nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False, saes=saes, sae_k=args.k)
+    alone = one_stream()
+    same = all(torch.equal(a, b) for fa, fb in zip(feats.features, alone.features) for ra, rb in zip(fa, fb)
+               for a, b in zip(ra, rb))
     dense = nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False)
     out["bytes"] = {"features": nbytes(feats.features) + nbytes(feats.sae_errors), "resid": nbytes(dense.resid)}
     out["bytes"]["resid / features"] = out["bytes"]["resid"] / out["bytes"]["features"]
@@ -145,10 +208,10 @@ def main() -> None:
     j = L // 2
     _, want_values = saes[j].top_features(dense.resid[0][j].float(), args.k)
     values = feats.features[j][0][1]
-    out["check"] = {"tokens_equal": feats.tokens == dense.tokens,
+    out["check"] = {"tokens_equal": feats.tokens == dense.tokens, "one_stream_equal": same,
                     "values_max_abs": float((values.float() - want_values).abs().max()),
                     "fires_per_position": float((want_values > 0).sum(dim=-1).float().mean())}
-    del first, feats, dense
+    del feats, dense, alone
     if args.collect:
         import shutil
 

@@ -358,7 +358,7 @@ def test_ray_executor_equals_the_engine_without_ray(tmp_path, monkeypatch):
         # most of a GPU test stage's time.
         # Should the load or a call hang, the engine says where (the test's own stack is faulthandler's).
         held: dict = {}
-        dump = threading.Timer(120, lambda h=held: _where_it_waits(h.get("m"), time.time() - 600))
+        dump = threading.Timer(90, lambda h=held: _where_it_waits(h.get("m"), time.time() - 600))
         dump.daemon = True
         dump.start()
         with nv.load(dtype="float32", cuda_graphs=False, **extra) as m:

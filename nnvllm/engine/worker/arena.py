@@ -212,18 +212,22 @@ class _Capture:
                 src = buf[:, :ntok]
             return src
 
-        # Each SAE once over the step's rows, before placing. Timed for the benchmarks without a host
-        # sync: the host's seconds here, and the device's through a pair of events read at collect.
-        h0 = time.perf_counter()
-        if self.features and dev.type == "cuda":
-            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            ev[0].record()
-            feats = self.features.encode(source)
-            ev[1].record()
-            self.sae_events.append(ev)
-        else:
-            feats = self.features.encode(source)
+        # Each SAE group once over the step's rows, before placing, on the features' stream (a GPU's:
+        # it overlaps the next step). Timed for the benchmarks without a host sync: the host's seconds
+        # here, and the device's through a pair of events read at collect.
+        feats: dict[str, torch.Tensor] = {}
         if self.features:
+            h0 = time.perf_counter()
+            xs = self.features.inputs(source)
+            with self.features.on_stream():
+                if dev.type == "cuda":
+                    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    ev[0].record()
+                    feats = self.features.encode(xs)
+                    ev[1].record()
+                    self.sae_events.append(ev)
+                else:
+                    feats = self.features.encode(xs)
             self.timings["sae_host"] = self.timings.get("sae_host", 0.0) + time.perf_counter() - h0
         arenas_here = np.unique(self.tab[:, 0])
         for k in arenas_here:
@@ -238,8 +242,11 @@ class _Capture:
                 rows_np = np.nonzero(tok_sel)[0]
                 src_rows = _to(torch.from_numpy(rows_np), dev)
                 dst = _to(torch.from_numpy(self.tab[tok_req[rows_np], 1]), dev) + pos[src_rows]
-            for name, v in feats.items():  # [G, tokens, ...]: like a site's [layer, tokens, width]
-                arena[name].index_copy_(1, dst, v if src_rows is None else v.index_select(1, src_rows))
+            if feats:
+                self.features.mine(dst, *(() if src_rows is None else (src_rows,)))
+                with self.features.on_stream():
+                    for name, v in feats.items():  # [G, tokens, ...]: like a site's [layer, tokens, width]
+                        arena[name].index_copy_(1, dst, v if src_rows is None else v.index_select(1, src_rows))
             for s in self.sites:
                 src = source(s)
                 if self.layer_idx is not None:
@@ -271,6 +278,7 @@ class _Capture:
             return {"error": self.error}
         if not self.keep:
             return {}
+        self.features.join()
         out = {}
         for rid, done in self.done.items():
             a = self.peeked.get(rid, 0)
@@ -300,6 +308,7 @@ class _Capture:
             return None
         t = self.taps
         dev = t.device
+        self.features.join()
         reqs = {}
         for rid, (k, off, rows, loff, plen) in self.requests.items():
             reqs[rid] = {"arena": k, "off": off, "rows": rows, "loff": loff, "plen": plen}

@@ -10,12 +10,18 @@ activations, or the dense code when asked, and the reconstruction error's norm; 
 these like any site (:mod:`.arena`) and only they cross to the client: 32 features of a
 16k-feature SAE are 256 bytes per position against 4 KB of a d=2048 residual row in fp16.
 
+On a GPU the encoding runs on a CUDA stream of its own (:attr:`_Features.stream`): it reads a copy of
+the step's rows taken on the engine's stream, so the next step's forward (which refills the taps'
+buffers) need not wait for it, and the two overlap; readers of the arena wait for the stream
+(:meth:`_Features.join`). ``NNVLLM_SAE_STREAM=0`` encodes on the engine's stream instead.
+
 SAEs are read from their folders (:meth:`nnvllm.SAE.load`) on the rank that keeps the record, stacked
 on the device, and kept there between calls (:data:`_CACHE`, keyed by folders, file times and dtype).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -74,8 +80,11 @@ class _Features:
         self.specs = list(specs)
         self.sites = sorted({s["site"] for s in self.specs})  # every rank gathers these under TP
         self.groups: list[_Group] = []
+        self.stream = None  # the encoding's CUDA stream (module docstring)
         if keep and self.specs:
             self._build(device)
+            if torch.device(device).type == "cuda" and os.environ.get("NNVLLM_SAE_STREAM", "1") != "0":
+                self.stream = torch.cuda.Stream(device=device)
 
     def _build(self, device) -> None:
         from ...sae import SAE
@@ -129,6 +138,7 @@ class _Features:
                 out[f"_sae{g}_ids"] = torch.zeros(n, rows + 1, grp.k, dtype=torch.int32, device=device)
                 out[f"_sae{g}_values"] = torch.zeros(n, rows + 1, grp.k, dtype=dt, device=device)
             out[f"_sae{g}_error"] = torch.zeros(n, rows + 1, dtype=dt, device=device)
+        self.mine(*out.values())  # written on our stream
         return out
 
     def nbytes_per_row(self) -> int:
@@ -138,11 +148,37 @@ class _Features:
             n += len(grp.members) * ((grp.sae.d_sae * item if grp.k is None else grp.k * (4 + item)) + item)
         return n
 
-    def encode(self, source) -> dict[str, torch.Tensor]:
-        """This step's entries ``[G, tokens, ...]``: ``source(site)`` is the site's ``[layer, tokens, width]``."""
+    def inputs(self, source) -> list[torch.Tensor]:
+        """Per group, a copy of this step's rows of its layers ``[G, tokens, d_in]``, taken on the current
+        stream; ``source(site)`` is the site's ``[layer, tokens, width]``. Ready for :meth:`encode` on
+        :attr:`stream`."""
+        xs = [source(grp.site).index_select(0, grp.layers) for grp in self.groups]
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            for x in xs:  # allocated on the current stream, read on ours: not reused before we are done
+                x.record_stream(self.stream)
+        return xs
+
+    def on_stream(self):
+        """A context that runs the work inside it on :attr:`stream` (where there is one)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def mine(self, *tensors: torch.Tensor) -> None:
+        """Tensors made on the current stream that work on :attr:`stream` reads or writes: their memory
+        is not reused before that work is done."""
+        if self.stream is not None:
+            for x in tensors:
+                x.record_stream(self.stream)
+
+    def join(self) -> None:
+        """Make the current stream wait for the encoding so far (before anything reads the arena)."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def encode(self, xs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This step's entries ``[G, tokens, ...]`` from :meth:`inputs`; call it inside :meth:`on_stream`."""
         out = {}
-        for g, grp in enumerate(self.groups):
-            x = source(grp.site).index_select(0, grp.layers)  # [G, tokens, d_in]
+        for g, (grp, x) in enumerate(zip(self.groups, xs)):
             item = torch.empty((), dtype=grp.sae.dtype).element_size()
             step = max(1, CHUNK_BYTES // (x.shape[0] * grp.sae.d_sae * item))
             parts = [self._encode(grp, x[:, a: a + step]) for a in range(0, x.shape[1], step)]
