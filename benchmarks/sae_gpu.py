@@ -12,16 +12,14 @@ rounds in which every case runs once, in turn:
 - ``tokens``: ``nv.generate(..., layers=None, logits=False)`` (tokens and samples only);
 - ``features``: the same with ``saes=[one per layer]``, ``sae_k=k``: per position the top-k ids and
   activations and the reconstruction error of every layer;
-- ``features_one_stream``: the same with ``NNVLLM_SAE_STREAM=0``, the SAEs encoded on the engine's own
-  CUDA stream instead of one beside it (the default; checked equal bit for bit);
+- ``features_per_step``: the same with ``NNVLLM_SAE_BLOCK_ROWS=0``: each step's rows encoded as they
+  come instead of a block of steps at a time (the default; the two agree to the rounding of the
+  matmul's row count: ``check``);
 - ``resid``: ``nv.generate(..., layers="all", logits=False)``: every layer's residual stream (the dense
   capture the features replace).
 - with ``--collect N``: ``collect_bare``, the engine's own generate of N prompts (one timed run), and
   ``collect``, ``nv.collect`` of the same N prompts to disk keeping only the SAEs' top-k features
   (``layers=None, logits="none", saes=..., sae_k=k``, one timed run), with the bytes it wrote.
-
-``--profile FILE`` writes torch's profile of one call of ``tokens``, ``features`` and
-``features_one_stream`` (top operators by device and by host time).
 
 ``bare_graphs`` (vLLM's defaults: torch.compile + CUDA graphs, nothing captured) runs first in a
 process of its own (``capture_gpu.py --case bare_graphs``). Bytes handed to the client are counted
@@ -86,30 +84,6 @@ def in_turn(cases: dict, repeats: int, seconds: dict, out: dict) -> None:
     out["all_s"] = times
 
 
-def profile(cases: dict, names, path: str) -> dict:
-    """One call of each named case under torch's profiler: the top operators by device and by host
-    time written to ``path`` (text), and per case the device's busy seconds against the wall's."""
-    import torch
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    summary, text = {}, []
-    for name in names:
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t = time.perf_counter()
-            cases[name]()
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t
-        ka = prof.key_averages()
-        dev_s = sum(e.self_device_time_total for e in ka) / 1e6
-        summary[name] = {"wall_s": wall, "device_busy_s": dev_s}
-        text.append(f"==== {name}: wall {wall:.3f} s, device kernels {dev_s:.3f} s\n")
-        text.append(ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))
-        text.append(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
-    Path(path).write_text("\n".join(text))
-    return summary
-
-
 def nbytes(x) -> int:
     import torch
 
@@ -132,7 +106,6 @@ def main() -> None:
     ap.add_argument("--root", default="/tmp/nnvllm-bench")
     ap.add_argument("--no-bare", action="store_true", help="skip vLLM's own bare_graphs process")
     ap.add_argument("--path", default=None, help="another checkpoint (e.g. the toy model, to try the script on a CPU)")
-    ap.add_argument("--profile", default=None, help="write a torch profile of one call of tokens and features here")
     ap.add_argument("--out", default=None)
     ap.add_argument("--name", default=None)
     args = ap.parse_args()
@@ -179,15 +152,15 @@ def main() -> None:
     def gen(**kw):
         return lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False, **kw)
 
-    def one_stream():  # the SAEs encoded on the engine's stream (NNVLLM_SAE_STREAM=0), for the A/B
-        os.environ["NNVLLM_SAE_STREAM"] = "0"
+    def per_step():  # each step's rows encoded as they come (NNVLLM_SAE_BLOCK_ROWS=0), for the A/B
+        os.environ["NNVLLM_SAE_BLOCK_ROWS"] = "0"
         try:
             return gen(layers=None, saes=saes, sae_k=args.k)()
         finally:
-            os.environ.pop("NNVLLM_SAE_STREAM", None)
+            os.environ.pop("NNVLLM_SAE_BLOCK_ROWS", None)
 
     cases = {"engine_bare": lambda: model.llm.generate(ps, sp, use_tqdm=False), "tokens": gen(layers=None),
-             "features": gen(layers=None, saes=saes, sae_k=args.k), "features_one_stream": one_stream,
+             "features": gen(layers=None, saes=saes, sae_k=args.k), "features_per_step": per_step,
              "resid": gen()}
     t0 = time.perf_counter()
     cases["features"]()
@@ -195,12 +168,12 @@ def main() -> None:
     for fn in cases.values():  # a warm-up each
         fn()
     in_turn(cases, args.repeats, s, out)
-    if args.profile:
-        out["profile"] = profile(cases, ("tokens", "features", "features_one_stream"), args.profile)
     feats = nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False, saes=saes, sae_k=args.k)
-    alone = one_stream()
-    same = all(torch.equal(a, b) for fa, fb in zip(feats.features, alone.features) for ra, rb in zip(fa, fb)
-               for a, b in zip(ra, rb))
+    alone = per_step()
+    ids_same = [float((a[0] == b[0]).float().mean()) for fa, fb in zip(feats.features, alone.features)
+                for a, b in zip(fa, fb)]
+    values_diff = max(float((a[1].float() - b[1].float()).abs().max()) for fa, fb in
+                      zip(feats.features, alone.features) for a, b in zip(fa, fb))
     dense = nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False)
     out["bytes"] = {"features": nbytes(feats.features) + nbytes(feats.sae_errors), "resid": nbytes(dense.resid)}
     out["bytes"]["resid / features"] = out["bytes"]["resid"] / out["bytes"]["features"]
@@ -208,7 +181,8 @@ def main() -> None:
     j = L // 2
     _, want_values = saes[j].top_features(dense.resid[0][j].float(), args.k)
     values = feats.features[j][0][1]
-    out["check"] = {"tokens_equal": feats.tokens == dense.tokens, "one_stream_equal": same,
+    out["check"] = {"tokens_equal": feats.tokens == dense.tokens, "per_step_ids_equal_min_fraction": min(ids_same),
+                    "per_step_values_max_abs": values_diff,
                     "values_max_abs": float((values.float() - want_values).abs().max()),
                     "fires_per_position": float((want_values > 0).sum(dim=-1).float().mean())}
     del feats, dense, alone

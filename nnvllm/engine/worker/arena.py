@@ -67,7 +67,7 @@ class _Capture:
         # files of the client's dropped Runs, ready again (see _Spares); the client hears which
         self.taken_back = _SPARES.take_back(spec.get("returned")) if remote and not self.inline else []
         self.timings: dict[str, float] = {}
-        self.sae_events: list = []  # (start, end) CUDA events around each step's SAE encoding
+        self.sae_events: list = []  # (start, end) CUDA events around the SAEs' work (_sae)
         self.stats = {"rows": 0, "partial_prefills": 0, "steps": 0, "batch_changes": 0, "eager": bool(self.need_eager)}
         # nv.stream: positions computed per request (kept only when streaming) and how far peek() went
         self.streaming = bool(spec.get("stream"))
@@ -177,6 +177,7 @@ class _Capture:
             # alone: the generation goes on, the engine stays up, collect() reports the cause.
             self.error = f"{type(e).__name__}: {e}"
             self.arenas = []
+            self.features.drop()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -212,23 +213,6 @@ class _Capture:
                 src = buf[:, :ntok]
             return src
 
-        # Each SAE group once over the step's rows, before placing, on the features' stream (a GPU's:
-        # it overlaps the next step). Timed for the benchmarks without a host sync: the host's seconds
-        # here, and the device's through a pair of events read at collect.
-        feats: dict[str, torch.Tensor] = {}
-        if self.features:
-            h0 = time.perf_counter()
-            xs = self.features.inputs(source)
-            with self.features.on_stream():
-                if dev.type == "cuda":
-                    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                    ev[0].record()
-                    feats = self.features.encode(xs)
-                    ev[1].record()
-                    self.sae_events.append(ev)
-                else:
-                    feats = self.features.encode(xs)
-            self.timings["sae_host"] = self.timings.get("sae_host", 0.0) + time.perf_counter() - h0
         arenas_here = np.unique(self.tab[:, 0])
         for k in arenas_here:
             arena = self.arenas[int(k)]
@@ -242,11 +226,8 @@ class _Capture:
                 rows_np = np.nonzero(tok_sel)[0]
                 src_rows = _to(torch.from_numpy(rows_np), dev)
                 dst = _to(torch.from_numpy(self.tab[tok_req[rows_np], 1]), dev) + pos[src_rows]
-            if feats:
-                self.features.mine(dst, *(() if src_rows is None else (src_rows,)))
-                with self.features.on_stream():
-                    for name, v in feats.items():  # [G, tokens, ...]: like a site's [layer, tokens, width]
-                        arena[name].index_copy_(1, dst, v if src_rows is None else v.index_select(1, src_rows))
+            if self.features:  # staged, encoded a block of steps at a time (.features)
+                self._sae(self.features.stage, source, dst, int(k), self.arenas, src_rows)
             for s in self.sites:
                 src = source(s)
                 if self.layer_idx is not None:
@@ -269,16 +250,45 @@ class _Capture:
             rows = lg[:n] if len(arenas_here) == 1 else lg[_to(torch.from_numpy(req_sel), dev)]
             arena["_logits"].index_copy_(0, ldst, rows.to(arena["_logits"].dtype))
 
+    def _sae(self, fn, *args) -> None:
+        """Run ``fn(*args)`` (the SAEs' part of a step, or a flush), timed for the benchmarks without a host
+        sync: the host's seconds, and the device's through a pair of CUDA events read at collect."""
+        h0 = time.perf_counter()
+        if self.taps.device.type == "cuda":
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+            fn(*args)
+            ev[1].record()
+            self.sae_events.append(ev)
+        else:
+            fn(*args)
+        self.timings["sae_host"] = self.timings.get("sae_host", 0.0) + time.perf_counter() - h0
+
+    def _flush(self) -> None:
+        """Encode the SAEs' staged rows (before anything reads the arena). Fails the capture alone, as
+        a failed step does."""
+        if not self.features or self.error is not None or not self.keep:
+            return
+        try:
+            with torch.inference_mode():  # (the arena and the staged rows were made in vLLM's step, under it)
+                self._sae(self.features.flush, self.arenas)
+        except Exception as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {e}"
+            self.arenas = []
+            self.features.drop()
+            if self.taps.device.type == "cuda":
+                torch.cuda.empty_cache()
+
     def peek(self) -> dict:
         """For nv.stream: each request's rows computed since the last peek (positions ``[from, to)``
         of the residual stream and of each SAE's features, on the host) and the logits rows of the
         steps those positions produced (step ``s`` comes from position ``plen - 1 + s``). Small: a
         few positions per call."""
+        self._flush()
         if self.error is not None:
             return {"error": self.error}
         if not self.keep:
             return {}
-        self.features.join()
         out = {}
         for rid, done in self.done.items():
             a = self.peeked.get(rid, 0)
@@ -302,13 +312,13 @@ class _Capture:
 
     # ---- at the end
     def collect(self, tokens: dict[str, list[int]], same_process: bool) -> dict | None:
+        self._flush()
         if self.error is not None:
             return {"error": self.error}
         if not self.keep:
             return None
         t = self.taps
         dev = t.device
-        self.features.join()
         reqs = {}
         for rid, (k, off, rows, loff, plen) in self.requests.items():
             reqs[rid] = {"arena": k, "off": off, "rows": rows, "loff": loff, "plen": plen}

@@ -1,19 +1,23 @@
-"""SAE features at the taps: the armed SAEs encode their sites' rows once per engine step, on the device.
+"""SAE features at the taps: the armed SAEs encode their sites' rows on the device, a block of steps at a time.
 
 A capture with ``saes`` (:func:`nnvllm.generate`) arms one :class:`_Features`. After each forward the
 taps hold every block's value of each site for the step's rows (a static buffer a replayed CUDA graph
 refilled, or the buffer an eager hook wrote). SAEs of one kind (:func:`nnvllm.sae_group.stack_key`: the
 usual case, one SAE per layer of a release) run as one group: their layers' rows are gathered into
-``[G, tokens, d_in]`` and encoded by one batched matmul, so the Python and kernel launches per step do
-not grow with the number of SAEs. Per row the group keeps the top-``k`` feature ids (int32) and
-activations, or the dense code when asked, and the reconstruction error's norm; the arena places
-these like any site (:mod:`.arena`) and only they cross to the client: 32 features of a
-16k-feature SAE are 256 bytes per position against 4 KB of a d=2048 residual row in fp16.
+``[G, tokens, d_in]`` and encoded by one batched matmul, so the Python and kernel launches do not grow
+with the number of SAEs. Per row the group keeps the top-``k`` feature ids (int32) and activations, or
+the dense code when asked, and the reconstruction error's norm; the arena places these like any site
+(:mod:`.arena`) and only they cross to the client: 32 features of a 16k-feature SAE are 256 bytes per
+position against 4 KB of a d=2048 residual row in fp16.
 
-On a GPU the encoding runs on a CUDA stream of its own (:attr:`_Features.stream`): it reads a copy of
-the step's rows taken on the engine's stream, so the next step's forward (which refills the taps'
-buffers) need not wait for it, and the two overlap; readers of the arena wait for the stream
-(:meth:`_Features.join`). ``NNVLLM_SAE_STREAM=0`` encodes on the engine's stream instead.
+Each step only copies its rows into a staging block (:meth:`_Features.stage`: one copy per group and
+one of the rows' places in the arena); the block is encoded when full, and before anything reads the
+arena (:meth:`_Features.flush`: collect, a stream's peek). A decode step of a 64-prompt batch has 64
+rows, so encoding a step at a time would read every SAE's weights (a GB for 16 SAEs of 16k features on
+a 1B model) and launch the encoder's kernels for 64 rows; a block of ``NNVLLM_SAE_BLOCK_ROWS`` rows
+(default: as many as :data:`CHUNK_BYTES` of dense code allows, at most 4,096) reads them once for many
+steps. ``NNVLLM_SAE_BLOCK_ROWS=0`` encodes each step as it comes (for comparison). A step with more
+rows than a block (a long prefill) is encoded at once, in chunks of :data:`CHUNK_BYTES`.
 
 SAEs are read from their folders (:meth:`nnvllm.SAE.load`) on the rank that keeps the record, stacked
 on the device, and kept there between calls (:data:`_CACHE`, keyed by folders, file times and dtype).
@@ -21,7 +25,6 @@ on the device, and kept there between calls (:data:`_CACHE`, keyed by folders, f
 
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import Any
 
@@ -34,6 +37,7 @@ _KIND: dict[tuple, tuple] = {}
 # Rows encoded at once: the dense code of a chunk stays under this many bytes (a prefill step of
 # thousands of tokens times many 16k-feature SAEs would otherwise need gigabytes at once).
 CHUNK_BYTES = int(os.environ.get("NNVLLM_SAE_CHUNK_BYTES") or 512 << 20)
+MAX_BLOCK_ROWS = 4096
 
 
 def _member_key(spec: dict, device) -> tuple:
@@ -71,6 +75,14 @@ class _Group:
         self.site = site
         self.layers = torch.tensor(layers, dtype=torch.long, device=device)
         self.k = k
+        self.staged: torch.Tensor | None = None  # [G, block rows, d_in]: the rows waiting to be encoded
+
+    def rows(self, source) -> torch.Tensor:
+        """This step's ``[G, tokens, d_in]``; ``source(site)`` is the site's ``[layer, tokens, width]``."""
+        return source(self.site).index_select(0, self.layers)
+
+    def item(self) -> int:
+        return torch.empty((), dtype=self.sae.dtype).element_size()
 
 
 class _Features:
@@ -80,11 +92,17 @@ class _Features:
         self.specs = list(specs)
         self.sites = sorted({s["site"] for s in self.specs})  # every rank gathers these under TP
         self.groups: list[_Group] = []
-        self.stream = None  # the encoding's CUDA stream (module docstring)
+        # The staging block (module docstring): rows staged so far, their places (arena row indices)
+        # and runs (arena, start, end) of consecutive staged rows that go to the same arena.
+        self.block = 0
+        self.n_staged = 0
+        self.places: torch.Tensor | None = None
+        self.runs: list[list[int]] = []
         if keep and self.specs:
             self._build(device)
-            if torch.device(device).type == "cuda" and os.environ.get("NNVLLM_SAE_STREAM", "1") != "0":
-                self.stream = torch.cuda.Stream(device=device)
+            env = os.environ.get("NNVLLM_SAE_BLOCK_ROWS")
+            widest = max(len(g.members) * g.sae.d_sae * g.item() for g in self.groups)
+            self.block = int(env) if env else max(1, min(MAX_BLOCK_ROWS, CHUNK_BYTES // widest))
 
     def _build(self, device) -> None:
         from ...sae import SAE
@@ -138,7 +156,6 @@ class _Features:
                 out[f"_sae{g}_ids"] = torch.zeros(n, rows + 1, grp.k, dtype=torch.int32, device=device)
                 out[f"_sae{g}_values"] = torch.zeros(n, rows + 1, grp.k, dtype=dt, device=device)
             out[f"_sae{g}_error"] = torch.zeros(n, rows + 1, dtype=dt, device=device)
-        self.mine(*out.values())  # written on our stream
         return out
 
     def nbytes_per_row(self) -> int:
@@ -148,39 +165,57 @@ class _Features:
             n += len(grp.members) * ((grp.sae.d_sae * item if grp.k is None else grp.k * (4 + item)) + item)
         return n
 
-    def inputs(self, source) -> list[torch.Tensor]:
-        """Per group, a copy of this step's rows of its layers ``[G, tokens, d_in]``, taken on the current
-        stream; ``source(site)`` is the site's ``[layer, tokens, width]``. Ready for :meth:`encode` on
-        :attr:`stream`."""
-        xs = [source(grp.site).index_select(0, grp.layers) for grp in self.groups]
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-            for x in xs:  # allocated on the current stream, read on ours: not reused before we are done
-                x.record_stream(self.stream)
-        return xs
+    def stage(self, source, places: torch.Tensor, arena: int, arenas: list[dict], pick=None) -> None:
+        """Take this step's rows of one arena: ``places`` their rows in ``arenas[arena]``, ``pick`` (or
+        None: all) the step's rows that go there. Encodes the block first when they do not fit in it."""
+        n = int(places.shape[0])
+        if self.n_staged + n > self.block:
+            self.flush(arenas)
+        if n > self.block:  # a step larger than a block: encoded at once
+            out = self.encode([g.rows(source) if pick is None else g.rows(source).index_select(1, pick)
+                               for g in self.groups])
+            self._place(out, arenas[arena], places, 0, n)
+            return
+        a, b = self.n_staged, self.n_staged + n
+        if self.places is None:
+            self.places = torch.empty(self.block, dtype=torch.long, device=places.device)
+        for g in self.groups:
+            if g.staged is None:
+                g.staged = torch.empty(len(g.members), self.block, g.sae.d_in, dtype=source(g.site).dtype,
+                                       device=places.device)
+            x = g.rows(source)
+            g.staged[:, a:b].copy_(x if pick is None else x.index_select(1, pick))
+        self.places[a:b].copy_(places)
+        if self.runs and self.runs[-1][0] == arena and self.runs[-1][2] == a:
+            self.runs[-1][2] = b
+        else:
+            self.runs.append([arena, a, b])
+        self.n_staged = b
 
-    def on_stream(self):
-        """A context that runs the work inside it on :attr:`stream` (where there is one)."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+    def flush(self, arenas: list[dict]) -> None:
+        """Encode the staged rows and place them in their arenas."""
+        if not self.n_staged:
+            return
+        n = self.n_staged
+        out = self.encode([g.staged[:, :n] for g in self.groups])
+        for k, a, b in self.runs:
+            self._place(out, arenas[k], self.places[a:b], a, b)
+        self.n_staged, self.runs = 0, []
 
-    def mine(self, *tensors: torch.Tensor) -> None:
-        """Tensors made on the current stream that work on :attr:`stream` reads or writes: their memory
-        is not reused before that work is done."""
-        if self.stream is not None:
-            for x in tensors:
-                x.record_stream(self.stream)
+    def drop(self) -> None:
+        """Forget the staged rows (a failed capture)."""
+        self.n_staged, self.runs = 0, []
 
-    def join(self) -> None:
-        """Make the current stream wait for the encoding so far (before anything reads the arena)."""
-        if self.stream is not None:
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+    @staticmethod
+    def _place(out: dict[str, torch.Tensor], arena: dict, places: torch.Tensor, a: int, b: int) -> None:
+        for name, v in out.items():  # [G, rows, ...]: like a site's [layer, tokens, width]
+            arena[name].index_copy_(1, places, v[:, a:b])
 
     def encode(self, xs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This step's entries ``[G, tokens, ...]`` from :meth:`inputs`; call it inside :meth:`on_stream`."""
+        """Arena entries ``[G, rows, ...]`` of each group's rows ``xs[g]`` (``[G, rows, d_in]``)."""
         out = {}
         for g, (grp, x) in enumerate(zip(self.groups, xs)):
-            item = torch.empty((), dtype=grp.sae.dtype).element_size()
-            step = max(1, CHUNK_BYTES // (x.shape[0] * grp.sae.d_sae * item))
+            step = max(1, CHUNK_BYTES // (x.shape[0] * grp.sae.d_sae * grp.item()))
             parts = [self._encode(grp, x[:, a: a + step]) for a in range(0, x.shape[1], step)]
             for name, v in zip(parts[0], zip(*(p.values() for p in parts))):
                 out[f"_sae{g}_{name}"] = v[0] if len(v) == 1 else torch.cat(v, dim=1)
