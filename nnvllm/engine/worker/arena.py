@@ -67,7 +67,6 @@ class _Capture:
         # files of the client's dropped Runs, ready again (see _Spares); the client hears which
         self.taken_back = _SPARES.take_back(spec.get("returned")) if remote and not self.inline else []
         self.timings: dict[str, float] = {}
-        self.sae_events: list = []  # (start, end) CUDA events around the SAEs' work (_sae)
         self.stats = {"rows": 0, "partial_prefills": 0, "steps": 0, "batch_changes": 0, "eager": bool(self.need_eager)}
         # nv.stream: positions computed per request (kept only when streaming) and how far peek() went
         self.streaming = bool(spec.get("stream"))
@@ -227,7 +226,9 @@ class _Capture:
                 src_rows = _to(torch.from_numpy(rows_np), dev)
                 dst = _to(torch.from_numpy(self.tab[tok_req[rows_np], 1]), dev) + pos[src_rows]
             if self.features:  # staged, encoded a block of steps at a time (.features)
-                self._sae(self.features.stage, source, dst, int(k), self.arenas, src_rows)
+                h0 = time.perf_counter()
+                self.features.stage(source, dst, int(k), self.arenas, src_rows)
+                self.timings["sae_host"] = self.timings.get("sae_host", 0.0) + time.perf_counter() - h0
             for s in self.sites:
                 src = source(s)
                 if self.layer_idx is not None:
@@ -250,28 +251,16 @@ class _Capture:
             rows = lg[:n] if len(arenas_here) == 1 else lg[_to(torch.from_numpy(req_sel), dev)]
             arena["_logits"].index_copy_(0, ldst, rows.to(arena["_logits"].dtype))
 
-    def _sae(self, fn, *args) -> None:
-        """Run ``fn(*args)`` (the SAEs' part of a step, or a flush), timed for the benchmarks without a host
-        sync: the host's seconds, and the device's through a pair of CUDA events read at collect."""
-        h0 = time.perf_counter()
-        if self.taps.device.type == "cuda":
-            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            ev[0].record()
-            fn(*args)
-            ev[1].record()
-            self.sae_events.append(ev)
-        else:
-            fn(*args)
-        self.timings["sae_host"] = self.timings.get("sae_host", 0.0) + time.perf_counter() - h0
-
     def _flush(self) -> None:
         """Encode the SAEs' staged rows (before anything reads the arena). Fails the capture alone, as
         a failed step does."""
         if not self.features or self.error is not None or not self.keep:
             return
         try:
+            h0 = time.perf_counter()
             with torch.inference_mode():  # (the arena and the staged rows were made in vLLM's step, under it)
-                self._sae(self.features.flush, self.arenas)
+                self.features.flush(self.arenas)
+            self.timings["sae_host"] = self.timings.get("sae_host", 0.0) + time.perf_counter() - h0
         except Exception as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {e}"
             self.arenas = []
@@ -346,10 +335,8 @@ class _Capture:
             self.timings["handover"] = self.timings.get("handover", 0.0) + _now(dev) - t0
         if any(s in _HEAD_SITES for s in self.sites):  # for the Run's meta: what Run.attention rebuilds with
             out["meta"] = {"attention": t.heads["spec"]}
-        if self.sae_events:
-            self.sae_events[-1][1].synchronize()
-            self.timings["sae_gpu"] = sum(a.elapsed_time(b) for a, b in self.sae_events) / 1e3
-            self.sae_events = []
+        if (dev_s := self.features.device_seconds()) is not None:
+            self.timings["sae_gpu"] = dev_s
         out["timings"] = dict(self.timings)
         out["sae_groups"] = self.features.where()
         out["stats"] = dict(self.stats)

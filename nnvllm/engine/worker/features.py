@@ -74,11 +74,15 @@ class _Group:
         self.sae = sae  # stacked (nnvllm.sae_group.stack)
         self.site = site
         self.layers = torch.tensor(layers, dtype=torch.long, device=device)
+        # layers l0, l0 + 1, ... (one SAE per layer of a release): a slice of the site, no gather
+        self.span = (layers[0], layers[-1] + 1) if layers == list(range(layers[0], layers[-1] + 1)) else None
         self.k = k
         self.staged: torch.Tensor | None = None  # [G, block rows, d_in]: the rows waiting to be encoded
 
     def rows(self, source) -> torch.Tensor:
         """This step's ``[G, tokens, d_in]``; ``source(site)`` is the site's ``[layer, tokens, width]``."""
+        if self.span is not None:
+            return source(self.site)[self.span[0]: self.span[1]]
         return source(self.site).index_select(0, self.layers)
 
     def item(self) -> int:
@@ -98,6 +102,9 @@ class _Features:
         self.n_staged = 0
         self.places: torch.Tensor | None = None
         self.runs: list[list[int]] = []
+        # (start, end) CUDA events around each encoding of a block: its device time, read at collect
+        # without a host sync in the steps (the benchmarks' sae_gpu)
+        self.events: list = []
         if keep and self.specs:
             self._build(device)
             env = os.environ.get("NNVLLM_SAE_BLOCK_ROWS")
@@ -197,10 +204,24 @@ class _Features:
         if not self.n_staged:
             return
         n = self.n_staged
+        ev = None
+        if self.places.device.type == "cuda":
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
         out = self.encode([g.staged[:, :n] for g in self.groups])
         for k, a, b in self.runs:
             self._place(out, arenas[k], self.places[a:b], a, b)
+        if ev is not None:
+            ev[1].record()
+            self.events.append(ev)
         self.n_staged, self.runs = 0, []
+
+    def device_seconds(self) -> float | None:
+        """The device's seconds in the encodings so far (None off a GPU); waits for the last one."""
+        if not self.events:
+            return None
+        self.events[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in self.events) / 1e3
 
     def drop(self) -> None:
         """Forget the staged rows (a failed capture)."""
