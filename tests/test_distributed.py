@@ -235,20 +235,55 @@ def _kill_once_listed(path, who: str, kill) -> threading.Thread:
     return t
 
 
-@pytest.fixture(scope="module")
-def isolated_pair():
-    """Two isolated engines of the toy model (closed after the module)."""
+def _bound_cores() -> list[int] | None:
+    """Two cores, one for each engine of ``isolated_pair`` (on CPU with two cores or more), else None."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[:2] if not torch.cuda.is_available() and len(cores) >= 2 else None
+
+
+def _load_bound(core: int | None):
     import nnvllm as nv
 
-    a = nv.load(isolate=True)
+    key, old = "VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if core is not None:
+        os.environ[key] = str(core)  # read by the engine's processes when they start
     try:
-        b = nv.load(isolate=True)
+        return nv.load(isolate=True)
+    finally:
+        os.environ.pop(key, None) if old is None else os.environ.__setitem__(key, old)
+
+
+@pytest.fixture(scope="module")
+def isolated_pair():
+    """Two isolated engines of the toy model (closed after the module); on CPU each bound to a core
+    of its own, as benchmarks/collect_many.py runs them."""
+    cores = _bound_cores() or [None, None]
+    a = _load_bound(cores[0])
+    try:
+        b = _load_bound(cores[1])
     except BaseException:
         a.close()
         raise
     yield a, b
     a.close()
     b.close()
+
+
+@pytest.mark.slow
+def test_a_one_rank_cpu_engine_computes_on_the_cores_it_is_bound_to(isolated_pair):
+    """``VLLM_CPU_OMP_THREADS_BIND`` binds a one-rank CPU engine: vLLM's CPU backend binds only the
+    workers its multiprocess executor starts, and a one-rank engine's worker runs in its engine core
+    (nnvllm.engine.worker.cpu.bind_threads)."""
+    import psutil
+
+    cores = _bound_cores()
+    if cores is None:
+        pytest.skip("needs a CPU engine and two cores")
+    for model, core in zip(isolated_pair, cores):
+        procs = psutil.Process(model.pid).children(recursive=True)
+        engine_cores = [p for p in procs if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+        assert engine_cores, [(p.pid, p.name()) for p in procs]
+        assert {tuple(os.sched_getaffinity(p.pid)) for p in engine_cores} == {(core,)}
 
 
 @pytest.mark.slow

@@ -26,6 +26,44 @@ __all__ = ["NNsightCPUWorker", "NNsightCPUModelRunner"]
 shorter_busy_loop()
 
 
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def bind_threads(world_size: int) -> None:
+    """Honour ``VLLM_CPU_OMP_THREADS_BIND`` (cores such as ``"0"`` or ``"2-3,6"``) in a one-rank engine.
+
+    vLLM's CPU backend binds a worker's OpenMP threads only when its multiprocess executor starts the
+    worker (it sets ``OMP_PLACES`` and ``OMP_NUM_THREADS`` for the new process); a one-rank engine
+    runs its worker inside the engine core, where the variable is then silently ignored and torch
+    computes with a thread on every core. Two engines that were each to have one core of the 2-core
+    box then ran on both, their OpenMP threads spinning against each other: 128 prompts took 3-6 s
+    a call side by side against 0.45 s alone. Here the worker's process takes the named cores and as
+    many torch threads; threads it starts later inherit them. ``auto`` (vLLM's default), ``nobind`` and
+    several ranks' lists (``"0|1"``, bound by vLLM's executor) are left alone.
+    """
+    import os
+
+    import torch
+
+    mask = os.environ.get(BIND_ENV, "auto").strip()
+    if world_size != 1 or mask in ("", "auto", "nobind") or "|" in mask:
+        return
+    cores: set[int] = set()
+    try:
+        for part in mask.split(","):
+            lo, _, hi = part.partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"{BIND_ENV}={mask!r}; expected core ids such as '0', '0-3' or '0,2-3' "
+                         "(or 'auto', 'nobind')") from None
+    allowed = os.sched_getaffinity(0)
+    if not cores or not cores <= allowed:
+        raise ValueError(f"{BIND_ENV}={mask!r} names cores {sorted(cores - allowed)} that this process may "
+                         f"not use; it may use {sorted(allowed)}")
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+
+
 class _UntiedCPURunner(CPUModelRunner):
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -47,6 +85,7 @@ class NNsightCPUWorker(CaptureWorker, NNsightGPUWorker, CPUWorker):
         from ..compat import bind_stores_to_loopback
 
         bind_stores_to_loopback()  # vLLM's torch.distributed store: loopback only (see there)
+        bind_threads(self.parallel_config.world_size)  # before CPUWorker makes torch.set_num_threads a no-op
         CPUWorker.init_device(self)
         # vLLM's CPU worker replaces torch.set_num_threads with a no-op that logs a warning, and its
         # request renderer calls it for every request: in an in-process engine that is a warning per
