@@ -9,6 +9,7 @@ a clean prompt exactly as before.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -163,6 +164,31 @@ def test_a_longer_context_passes_where_vllm_is_told_to_allow_it(no_engine, monke
     with pytest.raises(EngineStarted):  # a KV cache size given as text becomes bytes
         nv.load(None, isolate=False, kv_cache_memory_bytes="1MiB")
     assert no_engine[-1][1]["kv_cache_memory_bytes"] == 2**20
+
+
+# VLLM_CPU_OMP_THREADS_BIND values a one-rank CPU engine is refused with, and substrings of the message
+BAD_BINDINGS = [("x", ["VLLM_CPU_OMP_THREADS_BIND='x'", "'0', '0-3' or '0,2-3'"]),
+                ("0-", ["VLLM_CPU_OMP_THREADS_BIND='0-'", "expected core ids"]),
+                ("4096", ["names cores [4096]", "this process may not use", "or unset it"])]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="binds a CPU engine's threads")
+@pytest.mark.parametrize("isolate", [False, True])
+@pytest.mark.parametrize("row", BAD_BINDINGS, ids=[r[0] for r in BAD_BINDINGS])
+def test_a_binding_to_cores_that_cannot_be_used_is_refused_before_an_engine_starts(no_engine, monkeypatch,
+                                                                                      row, isolate):
+    mask, needles = row
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", mask)
+    with pytest.raises(ValueError) as info:
+        nv.load(None, isolate=isolate)
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+    assert no_engine == []
+    core = str(min(os.sched_getaffinity(0)))
+    for good in (core, "auto", "nobind", f"{core}|{core}"):  # one core, vLLM's own values, a list a rank
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", good)
+        with pytest.raises(EngineStarted):
+            nv.load(None, isolate=isolate)
 
 
 def _bin_checkpoint(d: Path) -> str:

@@ -205,6 +205,10 @@ def load(
     # Every check that needs no engine runs here, before one starts (seconds to minutes of work).
     engine_args = _validate.engine_args(engine_args)
     _check_executor(engine_args)
+    if not has_cuda():  # the cores a CPU engine is bound to (the engine's worker binds them)
+        from .cpu import bound_cores
+
+        bound_cores(int(engine_args.get("tensor_parallel_size", 1)))
     if engine_args.get("exact"):
         dt = engine_args.get("dtype", "float32")
         if str(dt).removeprefix("torch.") not in ("float32", "float"):

@@ -23,12 +23,44 @@ nnsight's ``VLLM`` with :mod:`nnvllm.engine.worker.gpu`'s worker.
 from __future__ import annotations
 
 import contextlib
+import os
+import re
 from unittest import mock
 
 import torch
 from nnsight.modeling.vllm import VLLM
 
-__all__ = ["CPUVLLM"]
+__all__ = ["BIND_ENV", "CPUVLLM", "bound_cores"]
+
+
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def bound_cores(world_size: int) -> set[int] | None:
+    """The cores ``VLLM_CPU_OMP_THREADS_BIND`` gives a one-rank CPU engine (``"0"``, ``"2-3"``,
+    ``"0,2-3"``), or None where nnvllm leaves it to vLLM: unset, ``auto``, ``nobind``, one list a
+    rank (``"0|1"``), or several ranks. Raises ValueError, saying what is expected, for a value that
+    is not a core list or names cores this process may not use. Read by ``nv.load`` before an
+    engine starts and by the engine's worker (:func:`nnvllm.engine.worker.cpu.bind_threads`)."""
+    mask = os.environ.get(BIND_ENV, "auto").strip()
+    if world_size != 1 or mask in ("", "auto", "nobind") or "|" in mask:
+        return None
+    cores: set[int] = set()
+    for part in mask.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if m is None or int(m[2] or m[1]) < int(m[1]):
+            cores = set()
+            break
+        cores.update(range(int(m[1]), int(m[2] or m[1]) + 1))
+    if not cores:
+        raise ValueError(f"{BIND_ENV}={mask!r}; expected core ids such as '0', '0-3' or '0,2-3' "
+                         "(or 'auto', 'nobind')")
+    allowed = os.sched_getaffinity(0)
+    if not cores <= allowed:
+        raise ValueError(f"{BIND_ENV}={mask!r} names cores {sorted(cores - allowed)} that this process may "
+                         f"not use; it may use {sorted(allowed)}: name some of those (e.g. '{min(allowed)}'), "
+                         "or unset it")
+    return cores
 
 
 class CPUVLLM(VLLM):

@@ -26,11 +26,8 @@ __all__ = ["NNsightCPUWorker", "NNsightCPUModelRunner"]
 shorter_busy_loop()
 
 
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-
-
 def bind_threads(world_size: int) -> None:
-    """Honour ``VLLM_CPU_OMP_THREADS_BIND`` (cores such as ``"0"`` or ``"2-3,6"``) in a one-rank engine.
+    """Honour ``VLLM_CPU_OMP_THREADS_BIND`` in a one-rank engine (:func:`nnvllm.engine.cpu.bound_cores`).
 
     vLLM's CPU backend binds a worker's OpenMP threads only when its multiprocess executor starts the
     worker (it sets ``OMP_PLACES`` and ``OMP_NUM_THREADS`` for the new process); a one-rank engine
@@ -38,30 +35,18 @@ def bind_threads(world_size: int) -> None:
     computes with a thread on every core. Two engines that were each to have one core of the 2-core
     box then ran on both, their OpenMP threads spinning against each other: 128 prompts took 3-6 s
     a call side by side against 0.45 s alone. Here the worker's process takes the named cores and as
-    many torch threads; threads it starts later inherit them. ``auto`` (vLLM's default), ``nobind`` and
-    several ranks' lists (``"0|1"``, bound by vLLM's executor) are left alone.
+    many torch threads; threads it starts later inherit them.
     """
     import os
 
     import torch
 
-    mask = os.environ.get(BIND_ENV, "auto").strip()
-    if world_size != 1 or mask in ("", "auto", "nobind") or "|" in mask:
-        return
-    cores: set[int] = set()
-    try:
-        for part in mask.split(","):
-            lo, _, hi = part.partition("-")
-            cores.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise ValueError(f"{BIND_ENV}={mask!r}; expected core ids such as '0', '0-3' or '0,2-3' "
-                         "(or 'auto', 'nobind')") from None
-    allowed = os.sched_getaffinity(0)
-    if not cores or not cores <= allowed:
-        raise ValueError(f"{BIND_ENV}={mask!r} names cores {sorted(cores - allowed)} that this process may "
-                         f"not use; it may use {sorted(allowed)}")
-    os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores))
+    from ..cpu import bound_cores
+
+    cores = bound_cores(world_size)
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
 
 
 class _UntiedCPURunner(CPUModelRunner):
