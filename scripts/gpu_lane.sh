@@ -32,8 +32,9 @@
 #                heads               heads_gpu.py, q/k/z capture GB/s against resid, 2,048-token patterns, attribution
 #                patterns            patterns_gpu.py, every pattern of a 2,048- and 4,096-position request (torch only)
 #                attribute           attribute.py, nv.attribute's client computation over a 64 x 128 run (torch only)
-#                sae                 sae_gpu.py, 16 SAEs of 16k top-32 against bare generate, and a 1,024 x 128
-#                                    feature dataset to disk with nv.collect
+#                sae                 sae_gpu.py, 16 bf16 SAEs of 16k top-32 against bare generate, and a
+#                                    1,024 x 128 feature dataset to disk with nv.collect
+#                sae_fp32            the same with fp32 SAEs (the random SAE files' dtype)
 #   tp         the tests that take --tp, at TP (default 2) on TP GPUs (nvidia-h200-x2): test_vllm,
 #              test_edits, test_stream (the llama engine there is isolated, so both transports run)
 #
@@ -217,7 +218,8 @@ bench() {
       heads) bench_item "$item" "$PY" benchmarks/heads_gpu.py ;;
       patterns) bench_item "$item" "$PY" benchmarks/patterns_gpu.py ;;
       attribute) bench_item "$item" "$PY" benchmarks/attribute.py ;;
-      sae) bench_item "$item" "$PY" benchmarks/sae_gpu.py --collect 1024 --root $root ;;
+      sae) bench_item "$item" "$PY" benchmarks/sae_gpu.py --sae-dtype bfloat16 --collect 1024 --root $root ;;
+      sae_fp32) bench_item "$item" "$PY" benchmarks/sae_gpu.py --collect 1024 --root $root ;;
       *) echo "bench: unknown item '$item'" >&2; note "bench_$item" 2 0 ;;
     esac
   done
