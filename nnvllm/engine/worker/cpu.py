@@ -33,7 +33,7 @@ def bind_threads(world_size: int) -> None:
     worker (it sets ``OMP_PLACES`` and ``OMP_NUM_THREADS`` for the new process); a one-rank engine
     runs its worker inside the engine core, where the variable is then silently ignored and torch
     computes with a thread on every core. Two engines that were each to have one core of the 2-core
-    box then ran on both, their OpenMP threads spinning against each other: 128 prompts took 3-6 s
+    box then ran on both, their OpenMP threads spinning against each other: 128 prompts took 0.7-5.8 s
     a call side by side against 0.45 s alone. Here the worker's process takes the named cores and as
     many torch threads; threads it starts later inherit them.
     """
