@@ -205,3 +205,46 @@ def test_handed_over_files_are_kept_for_recycling_within_the_budget(monkeypatch)
     f3.discard()
     _SPARES.drop()  # the kept f2 too
     assert not os.path.exists(f2.path) and _SPARES.kept == {}
+
+
+def test_a_file_made_in_the_background_leaves_the_engine_thread_running():
+    """Hand-off files are made in a pool thread while the engine's Python steps run; making one
+    must not hold the GIL (``mmap(MAP_POPULATE)`` held it for the whole population, and a step
+    waited that long). The main thread counts its longest pause while a 256 MiB file is made, and
+    the file comes back with every page resident."""
+    import ctypes
+    import threading
+    import time
+
+    from nnvllm.engine.worker.handoff import _ShmFile
+
+    n = 256 << 20
+    made: dict = {}
+
+    def make():
+        t = time.perf_counter()
+        made["file"] = _ShmFile(n)
+        made["seconds"] = time.perf_counter() - t
+
+    th = threading.Thread(target=make)
+    longest, last = 0.0, time.perf_counter()
+    th.start()
+    while th.is_alive():
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    th.join()
+    f = made["file"]
+    try:
+        assert f.prep["map"] > 0 and made["seconds"] > 0
+        # the whole making is the bound the old code reached (the main thread stood still throughout)
+        assert longest < 0.5 * made["seconds"], (longest, made)
+        pages = n // os.sysconf("SC_PAGE_SIZE")
+        vec = (ctypes.c_ubyte * pages)()
+        view = ctypes.c_char.from_buffer(f.mm)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        assert libc.mincore(ctypes.addressof(view), n, vec) == 0, ctypes.get_errno()
+        del view
+        assert sum(b & 1 for b in vec) == pages  # every page faulted in before the hand-off needs it
+    finally:
+        f.discard()

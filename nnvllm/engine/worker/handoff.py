@@ -44,7 +44,8 @@ class _ShmFile:
                 t0 = time.perf_counter()
                 os.posix_fallocate(self.fd, 0, nbytes)
                 t1 = time.perf_counter()
-                self.mm = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                self.mm = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED)
+                _populate(self.mm, nbytes)
                 t2 = time.perf_counter()
                 if pin:
                     self.register(device)
@@ -89,6 +90,30 @@ class _ShmFile:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+
+
+def _populate(mm, nbytes: int) -> None:
+    """Fault every page of ``mm`` in now, with the GIL released.
+
+    Files are made in background threads while the engine generates, and the engine's step loop
+    is Python in the same process. ``mmap.mmap(..., MAP_POPULATE)`` holds the GIL for the whole
+    population (0.2 s for 512 MiB, measured on CPython 3.11: the main thread stood still that long),
+    so the pages are faulted in by a foreign call instead, which ctypes makes without the GIL:
+    ``madvise(MADV_POPULATE_WRITE)``, or writing zeros where the kernel lacks it."""
+    import ctypes
+
+    view = ctypes.c_char.from_buffer(mm)
+    try:
+        addr = ctypes.addressof(view)
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if libc.madvise(addr, nbytes, _MADV_POPULATE_WRITE) != 0:
+            ctypes.memset(addr, 0, nbytes)  # the file is all zeros already: only the faults matter
+    finally:
+        del view  # the export would keep mm from closing
 
 
 # Hand-off files kept ready between captures (bytes; 0 turns it off), see _Spares.
@@ -219,8 +244,8 @@ class _ShmFiles:
 
     A fresh tmpfs page costs a fault and zeroing when first touched; done at hand-off time that is
     tens of ms per 100 MB. The sizes are known once the arena exists, so the files are allocated
-    (``posix_fallocate``), mapped with ``MAP_POPULATE`` and, in ``pin`` mode, page-locked for DMA
-    during the generation instead, or taken from the files the last capture left ready
+    (``posix_fallocate``), mapped with every page faulted in (:func:`_populate`) and, in ``pin`` mode,
+    page-locked for DMA during the generation instead, or taken from the files the last capture left ready
     (:class:`_Spares`). After the copy, unmapping (and unpinning) happens in the background too.
     """
 
