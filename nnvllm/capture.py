@@ -227,7 +227,7 @@ def _request(model, prompts, *, max_tokens, temperature, top_p, seed, layers, lo
             "client_pid": os.getpid(), "client_shm": client_probe(),  # where the hand-off can reach
             "edits": _edits.to_spec(edit_list), "stream": bool(stream),
             "returned": returned_files(),  # hand-off files of dropped Runs, for the engine to reuse
-            "saes": sae_specs,
+            "saes": sae_specs, **_sae_block_rows(sae_specs),
             **_size_hint(model, prompts, max_tokens, prompt_lens)}
     sampling = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, top_k=top_k,
                     ignore_eos=ignore_eos)
@@ -255,6 +255,22 @@ def _label(run: Run, req: _Request, i: int, rid: str, p_ids: list[int], toks: li
     roles = list(r.roles) if r is not None else _chat.plain_roles(run.tokenizer, p_ids)
     run.roles.append(roles + ["assistant"] * max(len(toks) - 1, 0))
     run.prompt_text.append(r.text if r is not None else req.sources[i])
+
+
+def _sae_block_rows(sae_specs) -> dict:
+    """``NNVLLM_SAE_BLOCK_ROWS`` as this process sees it at the call, for the worker (whose process may
+    have been started before the variable was set): rows the SAEs encode at once, 0 for each step."""
+    value = os.environ.get("NNVLLM_SAE_BLOCK_ROWS")
+    if not sae_specs or not value:
+        return {}
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = -1
+    if rows < 0:
+        raise ValueError(f"NNVLLM_SAE_BLOCK_ROWS={value!r}: expected a whole number of rows (0: encode "
+                         "each step as it comes); unset it for the default")
+    return {"sae_block_rows": rows}
 
 
 def _describe(sae, spec: dict) -> dict:

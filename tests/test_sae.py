@@ -540,21 +540,40 @@ def test_features_in_a_stream(toy, saes):
         assert steps[0].features[0][0] is not None
 
 
-def test_features_from_an_isolated_engine(toy, toy_path, saes, tp):
+def test_features_from_an_isolated_engine(toy, toy_path, saes, tp, monkeypatch):
     """An isolated engine (its own process; the SAE read from its folder there, the features back
     through shared memory) gives the in-process engine's features, in a stream too (there to fp32
-    rounding, as in test_features_in_a_stream)."""
+    rounding, as in test_features_in_a_stream). NNVLLM_SAE_BLOCK_ROWS set after the engine started
+    applies to the next call (the client sends it): 0 encodes each step alone, as a stream does, and
+    then the two agree bit for bit; a value that is not a row count is refused before the call."""
     from conftest import engine_kwargs, same_values
 
+    from nnvllm import capture
+
     picked = [saes["topk"][1], saes["mlp_act"][1]]
-    here = nv.generate(toy, PROMPTS, max_tokens=STEPS, layers=None, ignore_eos=True, saes=picked, sae_k=6)
+    kw = dict(max_tokens=STEPS, layers=None, ignore_eos=True, saes=picked, sae_k=6)
+    here = nv.generate(toy, PROMPTS, **kw)
     iso = nv.load(toy_path, isolate=True, **engine_kwargs(tp))
     try:
-        there = nv.generate(iso, PROMPTS, max_tokens=STEPS, layers=None, ignore_eos=True, saes=picked, sae_k=6)
-        streamed = nv.stream(iso, PROMPTS, max_tokens=STEPS, layers=None, ignore_eos=True, saes=picked, sae_k=6)
+        there = nv.generate(iso, PROMPTS, **kw)
+        assert capture._LAST_STATS["sae_encodings"] == 1  # one block: every step's rows at collect
+        streamed = nv.stream(iso, PROMPTS, **kw)
         steps = list(streamed)
+        monkeypatch.setenv("NNVLLM_SAE_BLOCK_ROWS", "0")
+        each_step = nv.generate(iso, PROMPTS, **kw)
+        assert capture._LAST_STATS["sae_encodings"] == capture._LAST_STATS["steps"] > 1
+        monkeypatch.setenv("NNVLLM_SAE_BLOCK_ROWS", "many")
+        with pytest.raises(ValueError, match="NNVLLM_SAE_BLOCK_ROWS='many': expected a whole number"):
+            nv.generate(iso, PROMPTS, **kw)
+        monkeypatch.delenv("NNVLLM_SAE_BLOCK_ROWS")
+        assert nv.generate(iso, PROMPTS, **kw).tokens == there.tokens  # the engine kept working
     finally:
         iso.close()
+    assert each_step.tokens == there.tokens
+    for s in range(len(picked)):
+        for i in range(len(PROMPTS)):
+            for a, b in zip(each_step.features[s][i], streamed.run.features[s][i]):
+                assert torch.equal(a, b), (s, i)
     assert there.tokens == here.tokens == streamed.run.tokens
     for s in range(len(picked)):
         for i in range(len(PROMPTS)):

@@ -49,7 +49,7 @@ class _Capture:
         # unless the graphs make them (steering the residual stream, see _Taps.replayable).
         edits = spec.get("edits") or []
         # SAEs armed for this capture (nv.generate(saes=...)): encoded each step from the taps' buffers
-        self.features = _Features(spec.get("saes") or [], taps.device, self.keep)
+        self.features = _Features(spec.get("saes") or [], taps.device, self.keep, spec.get("sae_block_rows"))
         self.need_eager = (any(s not in taps.in_graph for s in self.sites + self.features.sites)
                            or (bool(edits) and not taps.replayable(edits))) and taps.cap > 0
         self.requests: dict[str, tuple[int, int, int, int, int]] = {}  # rid -> (arena, off, rows, loff, plen)
@@ -339,7 +339,7 @@ class _Capture:
             self.timings["sae_gpu"] = dev_s
         out["timings"] = dict(self.timings)
         out["sae_groups"] = self.features.where()
-        out["stats"] = dict(self.stats)
+        out["stats"] = dict(self.stats, **({"sae_encodings": self.features.encodings} if self.features else {}))
         out["taken_back"] = list(self.taken_back)
         return out
 

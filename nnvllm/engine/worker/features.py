@@ -92,7 +92,7 @@ class _Group:
 class _Features:
     """The armed SAEs of one capture: what they read and, on the keeping rank, their groups."""
 
-    def __init__(self, specs: list[dict], device, keep: bool) -> None:
+    def __init__(self, specs: list[dict], device, keep: bool, block_rows: int | None = None) -> None:
         self.specs = list(specs)
         self.sites = sorted({s["site"] for s in self.specs})  # every rank gathers these under TP
         self.groups: list[_Group] = []
@@ -105,11 +105,12 @@ class _Features:
         # (start, end) CUDA events around each encoding of a block: its device time, read at collect
         # without a host sync in the steps (the benchmarks' sae_gpu)
         self.events: list = []
+        self.encodings = 0  # encodings run so far (blocks, and steps larger than a block): run stats
         if keep and self.specs:
             self._build(device)
-            env = os.environ.get("NNVLLM_SAE_BLOCK_ROWS")
             widest = max(len(g.members) * g.sae.d_sae * g.item() for g in self.groups)
-            self.block = int(env) if env else max(1, min(MAX_BLOCK_ROWS, CHUNK_BYTES // widest))
+            # the call's NNVLLM_SAE_BLOCK_ROWS, read by the client (capture._sae_block_rows)
+            self.block = block_rows if block_rows is not None else max(1, min(MAX_BLOCK_ROWS, CHUNK_BYTES // widest))
 
     def _build(self, device) -> None:
         from ...sae import SAE
@@ -179,6 +180,7 @@ class _Features:
         if self.n_staged + n > self.block:
             self.flush(arenas)
         if n > self.block:  # a step larger than a block: encoded at once
+            self.encodings += 1
             out = self.encode([g.rows(source) if pick is None else g.rows(source).index_select(1, pick)
                                for g in self.groups])
             self._place(out, arenas[arena], places, 0, n)
@@ -208,6 +210,7 @@ class _Features:
         if self.places.device.type == "cuda":
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             ev[0].record()
+        self.encodings += 1
         out = self.encode([g.staged[:, :n] for g in self.groups])
         for k, a, b in self.runs:
             self._place(out, arenas[k], self.places[a:b], a, b)
