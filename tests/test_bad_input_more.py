@@ -191,6 +191,39 @@ def test_a_binding_to_cores_that_cannot_be_used_is_refused_before_an_engine_star
             nv.load(None, isolate=isolate)
 
 
+_LOAD_AT_TOP_LEVEL = r"""
+import multiprocessing as mp
+import sys
+
+import nnvllm as nv
+
+if mp.current_process().name == "MainProcess":
+    child = mp.get_context("spawn").Process(target=print)  # as vLLM starts its engine core on a GPU
+    child.start()
+    child.join()
+    sys.exit(child.exitcode)
+nv.load(sys.argv[1])  # what the child runs while it imports this script: no main guard
+"""
+
+
+def test_a_load_in_a_process_being_started_says_to_add_a_main_guard(tmp_path):
+    """A script that calls nv.load at its top level, in a process started by spawn (vLLM's engine
+    core on a GPU imports the script again): the load is refused, naming the fix, instead of a
+    second engine start whose failure the parent sees only as "engine core initialization failed"."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(_LOAD_AT_TOP_LEVEL)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "no-such-checkpoint")], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "nv.load ran while a new process was starting" in out.stderr, out.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in out.stderr
+
+
 def _bin_checkpoint(d: Path) -> str:
     path = _checkpoint(d, weights=False)
     (d / "pytorch_model.bin").write_bytes(b"")  # only its name is looked at before the engine starts

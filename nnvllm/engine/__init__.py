@@ -129,6 +129,21 @@ def engines() -> list[EngineInfo]:
     return out
 
 
+def _check_not_starting_a_process() -> None:
+    """Refuse a load made while this process is being started by ``spawn`` (it imports the script
+    that started it again). On a GPU vLLM starts its engine core that way, so a script that calls
+    ``nv.load`` at its top level loads again in the child, whose engine fails with a message about
+    bootstrapping, and the parent reports only that the engine core failed to start."""
+    from multiprocessing import process
+
+    if getattr(process.current_process(), "_inheriting", False):
+        raise RuntimeError(
+            "nv.load ran while a new process was starting: that process (vLLM's engine core, which vLLM "
+            "starts with 'spawn' on a GPU) imports the script that called nv.load, and the script loads "
+            "again at import. Put the script's work under `if __name__ == \"__main__\":` (a notebook "
+            "needs nothing).")
+
+
 def load(
     model: str | os.PathLike | None = None,
     *,
@@ -172,6 +187,7 @@ def load(
         >>> with nv.load(isolate=True) as iso:                  # doctest: +SKIP
         ...     run = nv.generate(iso, "The capital of France is")
     """
+    _check_not_starting_a_process()
     if url is not None:
         if isolate is False:
             raise ValueError(f"isolate=False asks for an engine in this process, but url={url!r} names one "
