@@ -43,6 +43,10 @@ batch, then the median of ``--repeats``):
   without and with one steering edit (a vector added to the residual stream after the middle block,
   every position, every prompt), and the same two with every layer and the logits captured; plus
   the engine's own generate. Ratios ``steer`` (steered / unsteered) in each pair.
+- ``nv_trace`` / ``nv_trace_nopieces``: an nnsight trace reading every block's output at every step
+  (one invoke per prompt) on the in-process graph engine, with its traced decode steps replayed in
+  graph pieces (the default) or run eagerly (``NNVLLM_TRACE_PIECES=0``); beside ``<case>_generate``,
+  ``nv.generate`` keeping the same on the same engine; ``per_call`` has each call's step modes.
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -122,8 +126,13 @@ def prompts(n: int) -> list[str]:
 
 def _timed(fn, repeats: int, snap=None) -> dict:
     """Warm-up on the full batch, then ``repeats`` timed calls: their median, every time, and (with
-    ``snap``) what ``snap()`` returns after each call (nnvllm's per-call worker and client timings)."""
+    ``snap``) what ``snap()`` returns after each call (nnvllm's per-call worker and client timings).
+    The warm-up is timed too (``first``); ``repeats=0`` times it alone."""
+    t = time.perf_counter()
     fn()  # warm-up on the full batch
+    first = time.perf_counter() - t
+    if repeats == 0:
+        return {"first": first, "all": [first], "per_call": [snap()] if snap is not None else []}
     ts, per_call = [], []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -131,7 +140,7 @@ def _timed(fn, repeats: int, snap=None) -> dict:
         ts.append(time.perf_counter() - t)
         if snap is not None:
             per_call.append(snap())
-    out = {"median": statistics.median(ts), "all": ts}
+    out = {"median": statistics.median(ts), "all": ts, "first": first}
     if snap is not None:
         out["per_call"] = per_call
     return out
@@ -213,6 +222,43 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         clean = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True, layers=[L // 2 + 1], logits=False)
         run = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True, layers=[L // 2 + 1], logits=False, edits=steer)
         res[name + "_moved"] = float((run.resid[0].float() - clean.resid[0].float()).abs().max())
+        model.close()
+        return res
+    if name in ("nv_trace", "nv_trace_nopieces"):
+        # An nnsight trace reading every block's output at every step, one invoke per prompt (as the
+        # nnsight_taps case), on the in-process graph engine: with the graph pieces (the default) or
+        # with them off (NNVLLM_TRACE_PIECES=0: every traced step eager); beside nv.generate keeping
+        # the same (every block's output at every position, no logits) on the same engine.
+        if name == "nv_trace_nopieces":
+            os.environ["NNVLLM_TRACE_PIECES"] = "0"
+        import nnvllm as nv
+
+        model = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=gpu_util)
+        blocks = model.model.layers if SHAPES[shape]["kind"] == "llama" else model.transformer.h
+        modes = lambda: model.llm.collective_rpc("nnvllm_step_modes", kwargs={"reset": True})[0]  # noqa: E731
+
+        def trace_run(k):
+            with model.trace(temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:
+                for p in ps[:k]:
+                    with tracer.invoke(p):
+                        steps = list().save()
+                        for _ in tracer.iter[:T]:
+                            steps.append(torch.stack([blocks[i].output[0] if isinstance(blocks[i].output, tuple)
+                                                      else blocks[i].output for i in range(L)]))
+            return steps
+
+        # nnsight runs one worker per invoke, in Python, at every location it reads: its cost grows with
+        # the prompts, the forward's does not; so batches of 1 and 8 prompts (and --prompts, once).
+        for k in (1, 8):
+            res[f"{name}_{k}_generate"] = _timed(
+                lambda k=k: nv.generate(model, ps[:k], max_tokens=T, ignore_eos=True, logits=False), repeats)
+            modes()
+            res[f"{name}_{k}"] = _timed(lambda k=k: trace_run(k), repeats, snap=modes)
+        res[f"{name}_{n}_generate"] = _timed(
+            lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False), 1)
+        modes()
+        res[f"{name}_{n}"] = _timed(lambda: trace_run(n), 0, snap=modes)
+        res[f"{name}_{n}"]["median"] = res[f"{name}_{n}"]["first"]
         model.close()
         return res
     if name == "hf_nnsight":
@@ -344,7 +390,7 @@ def main() -> None:
                "--big-batches", args.big_batches]
         t = time.perf_counter()
         try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            p = _run_case(cmd, env, args.timeout)
             lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
             if lines:
                 for k, v in json.loads(lines[-1][7:]).items():
@@ -374,6 +420,26 @@ def main() -> None:
     _ratios(out)
     print(json.dumps({k: out[k] for k in ("seconds", "ratios") if k in out}, indent=1))
     print(f"recorded as run {name!r} in {record('capture_gpu', name, out, args.out, prov)}")
+
+
+def _run_case(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """One case in its own process group, killed whole at ``timeout``: a case's engine processes
+    would otherwise outlive it and hold the GPU memory the next case needs."""
+    import signal
+
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=(err or "").encode()) from None
+    try:
+        os.killpg(p.pid, signal.SIGKILL)  # whatever it left running
+    except ProcessLookupError:
+        pass
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def run_all(args) -> None:
@@ -406,6 +472,11 @@ def _ratios(out: dict) -> None:
         r["isolated / in-process, tokens only"] = s["nv_isolated_tokens"] / s["nv_graphs_tokens"]
     if isinstance(s.get("nv_isolated_eager"), float) and isinstance(s.get("nv_eager"), float):
         r["isolated / in-process, eager"] = s["nv_isolated_eager"] / s["nv_eager"]
+    for k, v in s.items():
+        if k.startswith("nv_trace") and not k.endswith("_generate") and isinstance(v, float):
+            g = s.get(k + "_generate")
+            if isinstance(g, float):
+                r[f"trace / generate {k}"] = v / g
     for c in ("nv_steer", "nv_steer_eager"):
         for label in ("tokens", "all"):
             a, b = s.get(f"{c}_{label}_steered"), s.get(f"{c}_{label}")

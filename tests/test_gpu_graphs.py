@@ -90,3 +90,94 @@ def test_graph_engine_captures_and_patches_what_the_eager_engine_does(toy_path):
         assert (graphs_steered.resid[i][:, n:] - graphs.resid[i][:, n:]).abs().max() > 0.1  # it did steer
         assert _gap(graphs_after.resid[i], graphs.resid[i]) < REL  # and left nothing armed (a steer: > 0.1)
     assert graphs_after.tokens == graphs.tokens == eager_after.tokens
+
+
+# ---- nnsight traces on a graph engine: served between graph pieces at the blocks' outputs
+
+T = 6  # generated tokens per trace: one prefill step, T - 1 decode steps
+
+
+def _modes(model) -> dict:
+    return model.llm.collective_rpc("nnvllm_step_modes", kwargs={"reset": True})[0]
+
+
+def _trace_blocks(model, edit=None, site=None):
+    """Every block's output (or ``site``'s module output) at every step, per prompt; with ``edit``,
+    block 1's output is replaced by itself plus ``edit`` at every step (a swap)."""
+    h = model.transformer.h
+    with model.trace(temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:
+        for p in PROMPTS:
+            with tracer.invoke(p):
+                steps = list().save()
+                for _ in tracer.iter[:T]:
+                    vals = []
+                    for i in range(len(h)):  # in the forward's order
+                        if edit is not None and i == 1:
+                            h[1].output = h[1].output + edit.to(h[1].output.device)
+                        vals.append((h[i] if site is None else getattr(h[i], site)).output.clone())
+                    steps.append(torch.stack(vals).cpu())
+    return steps
+
+
+def _late(model):
+    """Reads block 0 at every step, and a submodule inside the forward only at step 3."""
+    h = model.transformer.h
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:
+        late = list().save()
+        for step in tracer.iter[:T]:
+            h[0].output.clone()
+            if step == 3:
+                late.append(h[1].mlp.output.clone())
+    return late
+
+
+def _traces(toy_path, graphs: bool) -> dict:
+    model = nv.load(toy_path, isolate=False, dtype="float32", gpu_memory_utilization=0.3,
+                    kv_cache_memory_bytes=1 << 30, cuda_graphs=graphs)
+    try:
+        d = model.config.hidden_size
+        edit = torch.randn(d, generator=torch.Generator().manual_seed(1)) * 3.0
+        _modes(model)
+        out = {}
+        for what, fn in (("read", lambda: _trace_blocks(model)), ("edit", lambda: _trace_blocks(model, edit=edit)),
+                         ("mlp", lambda: _trace_blocks(model, site="mlp")), ("late", lambda: _late(model)),
+                         ("generate", lambda: nv.generate(model, PROMPTS * 8, max_tokens=T, ignore_eos=True))):
+            try:
+                out[what] = fn()
+            except Exception as e:  # noqa: BLE001 (asserted on below, with every case's modes printed)
+                out[what] = e
+            out[what + "_modes"] = _modes(model)
+            print(f"cuda_graphs={graphs} {what}: step modes {out[what + '_modes']}"
+                  + (f"; raised {out[what]!r}"[:600] if isinstance(out[what], Exception) else ""), flush=True)
+        return out
+    finally:
+        model.close()
+
+
+def test_a_trace_of_the_blocks_outputs_replays_graph_pieces_and_reads_and_edits_what_eager_does(toy_path):
+    g = _traces(toy_path, graphs=True)
+    e = _traces(toy_path, graphs=False)
+    print("step modes on the graph engine:", {k: g[k] for k in g if k.endswith("_modes")})
+    assert g["read_modes"]["pieces_recorded"], "the graph engine recorded no graph pieces"
+    # Reads and swaps at the blocks' outputs: the decode steps replayed pieces; only prefill ran eagerly.
+    for what in ("read", "edit", "mlp", "generate"):
+        for run in (g, e):
+            assert not isinstance(run[what], Exception), (what, run[what])
+    for what in ("read", "edit"):
+        m = g[what + "_modes"]
+        assert m.get("pieces", 0) >= T - 1 and m.get("eager", 0) <= 1 and not m.get("graphs"), (what, m)
+        gaps = [_gap(a, b) for sg, se in zip(g[what], e[what]) for a, b in zip(sg, se)]
+        assert len(gaps) == len(PROMPTS) * T and max(gaps) < REL, (what, max(gaps))
+    moved = max(float((a - b).abs().max()) for sg, se in zip(g["edit"], g["read"]) for a, b in zip(sg[1:], se[1:]))
+    assert moved > 0.1  # the swap reached the decode steps' forward (block 2 downstream of block 1)
+    # A read inside the forward (each block's MLP) runs its steps eagerly, with the same values.
+    assert not g["mlp_modes"].get("pieces") and g["mlp_modes"].get("eager", 0) >= T, g["mlp_modes"]
+    assert max(_gap(a, b) for sg, se in zip(g["mlp"], e["mlp"]) for a, b in zip(sg, se)) < REL
+    # A read inside the forward first asked for in a piecewise step is refused, not served from a later step.
+    assert isinstance(g["late"], Exception) and "in pieces" in str(g["late"]), g["late"]
+    assert not isinstance(e["late"], Exception) and len(e["late"]) == 1  # an eager engine serves it
+    # nv.generate afterwards: whole graphs again, the same numbers as on the eager engine.
+    assert g["generate_modes"].get("graphs", 0) >= T - 1 and not g["generate_modes"].get("pieces"), g["generate_modes"]
+    assert g["generate"].tokens == e["generate"].tokens
+    for i in range(len(PROMPTS)):
+        assert _gap(g["generate"].resid[i], e["generate"].resid[i]) < REL

@@ -15,14 +15,15 @@ import torch
 
 from .arena import _Capture
 from .handoff import _SPARES, sweep_stale, watch_server
+from .pieces import EAGER, StepPlan
 from .taps import _site_widths, _Taps, head_layout
 
 class RecordingRunner:
     """Model-runner mixin (first in the MRO): installs the taps at load, places rows each step.
 
-    Also keeps nnsight's tracing honest on an engine that replays CUDA graphs: any step that carries
-    an nnsight request (or runs under an installed ``model.edit``) runs eagerly, so every module
-    nnsight may read or edit runs in Python.
+    Also keeps nnsight's tracing honest on an engine that replays CUDA graphs: a step that carries an
+    nnsight trace runs in graph pieces with the trace served at the blocks' outputs, or eagerly where
+    the trace reads elsewhere (:mod:`.pieces`).
     """
 
     def load_model(self, *args, **kwargs) -> None:
@@ -53,22 +54,28 @@ class RecordingRunner:
             taps.allocate_static(taps.widths)
         self._nnvllm_taps = taps
         self._nnvllm_capture = None
+        self._nnvllm_plan = StepPlan(self, arch["blocks"], taps.n_layers)
+
+    def capture_model(self, *args, **kwargs):
+        plan = getattr(self, "_nnvllm_plan", None)
+        if plan is not None:
+            plan.before_capture()
+        try:
+            return super().capture_model(*args, **kwargs)
+        finally:
+            if plan is not None:
+                plan.after_capture()
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
-        if self._nnvllm_wants_eager():
+        plan = getattr(self, "_nnvllm_plan", None)
+        if plan is None or kwargs.get("force_uniform_decode") is not None:
+            return super()._determine_batch_execution_and_padding(*args, **kwargs)  # recording, warm-up
+        plan.mode = plan.choose(_decode_step(self, args, kwargs))
+        if plan.mode == EAGER:
             kwargs["force_eager"] = True
-        return super()._determine_batch_execution_and_padding(*args, **kwargs)
-
-    def _nnvllm_wants_eager(self) -> bool:
-        cap = getattr(self, "_nnvllm_capture", None)
-        if cap is not None and cap.need_eager:
-            return True
-        reqs = getattr(self, "nnsight_requests", None)
-        if reqs is None:
-            return False
-        if reqs.templates:
-            return True
-        return any(r.mediator is not None for r in reqs.requests.values())
+        out = super()._determine_batch_execution_and_padding(*args, **kwargs)
+        plan.start(out[0])
+        return out
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         taps = getattr(self, "_nnvllm_taps", None)
@@ -77,9 +84,25 @@ class RecordingRunner:
             taps.fired = {}
             taps._prompt_rows = None
         out = super().execute_model(scheduler_output, intermediate_tensors)
+        plan = getattr(self, "_nnvllm_plan", None)
+        if plan is not None:
+            plan.finish()
         if cap is not None and out is None:
             cap.step(self)
         return out
+
+
+def _decode_step(runner: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the step vLLM is dispatching is a pure decode step (every request one new token),
+    from the arguments of ``_determine_batch_execution_and_padding``."""
+    names = ("num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens")
+    got = dict(zip(names, args))
+    got.update({k: kwargs[k] for k in names if k in kwargs})
+    q = int(getattr(runner, "uniform_decode_query_len", 1) or 1)
+    try:
+        return int(got["max_num_scheduled_tokens"]) == q and int(got["num_tokens"]) == int(got["num_reqs"]) * q
+    except (KeyError, TypeError):
+        return False
 
 
 class CaptureWorker:
@@ -132,6 +155,18 @@ class CaptureWorker:
         if drop:
             _SPARES.drop()
         return {"pid": os.getpid(), "files": paths, "kept": kept}
+
+    def nnvllm_step_modes(self, reset: bool = False) -> dict:
+        """How many engine steps ran as full CUDA graphs, in graph pieces (an nnsight trace served at the
+        blocks' outputs) and eagerly, since the engine started or the last ``reset``; and whether
+        piecewise graphs are recorded (:mod:`.pieces`)."""
+        plan = getattr(self.model_runner, "_nnvllm_plan", None)
+        if plan is None:
+            return {"pieces_recorded": False}
+        out = {"pieces_recorded": plan.pieces, **plan.modes}
+        if reset:
+            plan.modes.clear()
+        return out
 
     def nnvllm_peek(self) -> bytes | None:
         """The armed capture's rows since the last peek (nv.stream) as ``torch.save`` bytes (an RPC
