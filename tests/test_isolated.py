@@ -541,3 +541,12 @@ def test_a_killed_engine_raises_engine_died_and_restart_brings_it_back(iso):
         nv.generate(iso, CLEAN, max_tokens=1)
     time.sleep(0.5)  # the server, which was still up, was ended with the rest of the group
     assert not _alive(pids)
+
+
+def test_values_saved_above_the_invokes_come_back_from_an_isolated_engine(iso):
+    """The trace's code above its invokes runs again in the engine's server; a value saved there
+    (``out = [None] * n; out.save()``) comes back as from an in-process engine (the server runs that
+    code in a trace scope; without one nnsight refuses the save: 'save() was called outside a trace')."""
+    from test_reliability import test_values_saved_above_several_invokes
+
+    test_values_saved_above_several_invokes(iso)

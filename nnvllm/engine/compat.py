@@ -412,6 +412,8 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
     Touch("nnsight.tracing.globals", "SOURCES", "server.py", "cleared per request (stale invoke bodies)"),
     Touch("nnsight.tracing.globals", "BLOCKS", "server.py", "cleared per request (stale invoke bodies)"),
     Touch("nnsight.intervention.errors", "capture_exception", "server.py", "errors back to the client"),
+    Touch("nnsight.tracing.tracer", "inc", "routes.py", "a trace's top-level code runs in a trace scope"),
+    Touch("nnsight.tracing.tracer", "dec", "routes.py", "(and leaves it)"),
     Touch("nnsight.intervention.errors", "raise_deferred", "isolated.py", "re-raise the server's error"),
     # nnsight: serving (the isolated engine)
     Touch("nnsight.modeling.vllm.serve.server", "app", "server.py", "the FastAPI app nnvllm's routes join"),

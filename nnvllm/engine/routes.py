@@ -183,6 +183,8 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         from nnsight.intervention.errors import capture_exception
         from nnsight.modeling.vllm.engines.engine import acollect
         from nnsight.tracing import globals as tracing_globals
+        from nnsight.tracing.tracer import dec as trace_scope_out
+        from nnsight.tracing.tracer import inc as trace_scope_in
 
         model_ = serve._ready()
         body = await request.body()
@@ -192,6 +194,10 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         # re-read, so an edited file at the same path would run its old invoke bodies.
         tracing_globals.SOURCES.clear()
         tracing_globals.BLOCKS.clear()
+        # The trace's code above its invokes runs here, as in the client's own `with model.trace`: in
+        # a trace scope, so a value saved there (`out = [None] * n; out.save()`) is marked, and its name
+        # rides with each invoke's worker (serialized in _attach_mediators, before the scope closes).
+        trace_scope_in()
         try:
             tracer = serve._build_tracer(body, compress)
             _, (prompts, params, loras), forward_kwargs = tracer.prepare(tracer.info.code)
@@ -200,6 +206,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             return serve._payload({}, capture_exception(exc))
         finally:
             model_.interleaver.cancel()
+            trace_scope_out()
         engine = model_.vllm_entrypoint
 
         async def run_invoke(prompt, param, lora):
