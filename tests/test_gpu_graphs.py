@@ -159,13 +159,14 @@ def test_a_trace_of_the_blocks_outputs_replays_graph_pieces_and_reads_and_edits_
     e = _traces(toy_path, graphs=False)
     print("step modes on the graph engine:", {k: g[k] for k in g if k.endswith("_modes")})
     assert g["read_modes"]["pieces_recorded"], "the graph engine recorded no graph pieces"
-    # Reads and swaps at the blocks' outputs: the decode steps replayed pieces; only prefill ran eagerly.
     for what in ("read", "edit", "mlp", "generate"):
         for run in (g, e):
             assert not isinstance(run[what], Exception), (what, run[what])
+    # Reads and swaps at the blocks' outputs: every decode step of the trace replayed pieces (the eager
+    # steps are the prefills: the scheduler may prefill the three prompts in one step or in two).
     for what in ("read", "edit"):
         m = g[what + "_modes"]
-        assert m.get("pieces", 0) >= T - 1 and m.get("eager", 0) <= 1 and not m.get("graphs"), (what, m)
+        assert m.get("pieces", 0) >= T - 1 and m.get("eager", 0) <= 2 and not m.get("graphs"), (what, m)
         gaps = [_gap(a, b) for sg, se in zip(g[what], e[what]) for a, b in zip(sg, se)]
         assert len(gaps) == len(PROMPTS) * T and max(gaps) < REL, (what, max(gaps))
     moved = max(float((a - b).abs().max()) for sg, se in zip(g["edit"], g["read"]) for a, b in zip(sg[1:], se[1:]))
