@@ -15,6 +15,11 @@ It also runs ``nv.patch`` on both engines (its
 passes run eagerly on the graph engine: they carry an nnsight trace). Steering the residual stream
 runs inside the replayed graphs (``_Taps.gadd``): the steered generation must equal the eager
 engine's, and must not have fallen back to eager steps.
+
+nnsight traces on the graph engine: a trace that reads, or swaps, the blocks' outputs replays the
+decode steps' graphs in pieces (``nnvllm/engine/worker/pieces.py``) and must read what the same trace
+reads on the eager engine; one that reads inside the forward runs eagerly; one that first asks for a
+place inside the forward in a piecewise step is refused, never served a later step's value.
 """
 
 from __future__ import annotations

@@ -171,7 +171,9 @@ def load(
             replays CUDA graphs for decode steps (``cuda_graphs=True``, the default;
             ``cuda_graphs=False`` or ``NNVLLM_CUDA_GRAPHS=0``: eager): :func:`nnvllm.generate`
             records through them (:mod:`nnvllm.engine.worker`; measured 3.1x faster than eager on an
-            H200, same numbers bit for bit) and steps of an nnsight trace run eagerly.
+            H200, same numbers bit for bit); a decode step of an nnsight trace that reads or edits
+            only the blocks' outputs replays the graph in pieces, other traced steps run eagerly
+            (:mod:`nnvllm.engine.worker.pieces`, docs/capture.md).
             ``exact=True`` (GPU, fp32): full-precision fp32 attention, so that vLLM matches
             transformers to fp32 rounding (without it, Triton's TF32 dot products leave ~1e-3 on
             the residual stream; docs/discrepancies.md). Implies ``dtype="float32"``.
