@@ -4,6 +4,7 @@
     python benchmarks/capture_gpu.py --shape gpt2s --prompts 64 --tokens 32
     python benchmarks/capture_gpu.py --shape llama1b --big 1024 --tokens 128
     python benchmarks/capture_gpu.py --all      # all three above, every case: one command
+    python benchmarks/capture_gpu.py --table llama1b   # a recorded run as a markdown table
 
 Each run is recorded in one file, ``benchmarks/results/capture_gpu_<machine>.json`` (or ``--out``),
 as the run ``--name`` (default: the shape, or ``big`` with ``--big``), beside the other workloads'
@@ -78,7 +79,8 @@ SHAPES = {
 PROMPT_LEN = 16
 # --all: every case, per shape (vllm-lens reads the Llama shape only)
 ALL_CASES = {
-    "llama1b": "bare_graphs,bare_eager,nv_graphs,nv_eager,nv_isolated,nv_isolated_eager,vllm_lens,hf_nnsight,nnsight_taps",
+    "llama1b": "bare_graphs,bare_eager,nv_default,nv_graphs,nv_eager,nv_isolated,nv_isolated_eager,nv_trace,vllm_lens,"
+               "hf_nnsight,nnsight_taps",
     "gpt2s": "bare_graphs,bare_eager,nv_graphs,nv_eager,nv_isolated,nv_isolated_eager,hf_nnsight,nnsight_taps",
 }
 
@@ -362,9 +364,15 @@ def main() -> None:
     ap.add_argument("--name", default=None, help="the run's name in that file (default: the shape, or 'big' with --big)")
     ap.add_argument("--all", action="store_true", help="Llama-1B 64x128 and GPT-2-small 64x32, every case, "
                     "then 1,024x128 streamed to disk")
+    ap.add_argument("--table", default=None, metavar="RUN",
+                    help="print recorded run RUN (of --out's file) as a markdown table, and run nothing")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.table:
+        runs = json.loads(result_path("capture_gpu", args.out).read_text())["runs"]
+        print(table(runs[args.table]))
+        return
     root = Path(args.root)
     root.mkdir(parents=True, exist_ok=True)
     if args.all:
@@ -440,6 +448,19 @@ def _run_case(cmd: list[str], env: dict, timeout: float) -> subprocess.Completed
     except ProcessLookupError:
         pass
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def table(run: dict) -> str:
+    """One recorded run as a markdown table: each timed case's seconds, and its ratio to bare vLLM's
+    default run (``bare_graphs``) where the run has it; headed by the run's command, vLLM and date."""
+    s = {k: v for k, v in run.get("seconds", {}).items() if isinstance(v, float)}
+    bare = s.get("bare_graphs")
+    lines = [f"`{run.get('command', '?')}` (vLLM {run.get('vllm', '?')}, {run.get('machine', '?')}, "
+             f"{str(run.get('date', '?'))[:10]})", ""]
+    lines += ["| case | seconds | x bare_graphs |", "|---|---|---|"] if bare else ["| case | seconds |", "|---|---|"]
+    for k, v in s.items():
+        lines.append(f"| `{k}` | {v:.3f} | {v / bare:.2f} |" if bare else f"| `{k}` | {v:.3f} |")
+    return "\n".join(lines)
 
 
 def run_all(args) -> None:

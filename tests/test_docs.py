@@ -42,3 +42,44 @@ def test_readme_block_runs_and_its_stated_values_are_true():
             m = scope.get(name)
             if m is not None:
                 m.close()
+
+
+def _md_rows(text: str, after: str) -> list[list[str]]:
+    """The cells of the first markdown table after the line containing ``after``."""
+    head, tail = text.split(after, 1)
+    lines = (head.rsplit("\n", 1)[-1] + after + tail).splitlines()  # from the line containing it
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    rows = []
+    for ln in lines[start + 2:]:
+        if not ln.startswith("|"):
+            break
+        rows.append([c.strip() for c in ln.strip("|").split("|")])
+    return rows
+
+
+def test_the_gpu_cost_tables_in_docs_capture_are_their_recorded_runs():
+    """docs/capture.md's H200 tables state the seconds and ratios of the runs they name, as
+    ``benchmarks/capture_gpu.py --table`` renders them from ``benchmarks/results/capture_gpu_h200.json``."""
+    import json
+    import subprocess
+    import sys
+
+    root = README.parent
+    results = root / "benchmarks" / "results" / "capture_gpu_h200.json"
+    runs = json.loads(results.read_text())["runs"]
+    doc = (root / "docs" / "capture.md").read_text()
+    tool = subprocess.run([sys.executable, str(root / "benchmarks" / "capture_gpu.py"), "--table", "llama1b_default_12",
+                           "--out", str(results)], capture_output=True, text=True, check=True).stdout
+    rendered = {r[0].strip("`"): r[1:] for r in _md_rows(tool, "x bare_graphs")}
+    # The doc's rows, in order, are these cases of the run.
+    cases = ["bare_graphs", "nv_default", "nv_default_tokens", "nv_graphs", "nv_graphs_tokens", "nv_graphs_bare"]
+    doc_rows = _md_rows(doc, "run\n`llama1b_default_12`")
+    assert [r[1:] for r in doc_rows] == [rendered[c] for c in cases], (doc_rows, rendered)
+    # The trace table: each cell is its case's seconds (and its ratio to nv.generate where stated).
+    s = runs["llama1b_trace_pieces"]["seconds"]
+    for row in _md_rows(doc, "--cases nv_trace,nv_trace_nopieces"):
+        k = row[0]
+        assert row[1] == f"{s[f'nv_trace_{k}_generate']:.3f} s", row
+        assert row[2] == f"{s[f'nv_trace_{k}']:.3f} s ({s[f'nv_trace_{k}'] / s[f'nv_trace_{k}_generate']:.1f}x)", row
+        want = s[f"nv_trace_nopieces_{k}"], s[f"nv_trace_nopieces_{k}"] / s[f"nv_trace_nopieces_{k}_generate"]
+        assert row[3].startswith(f"{want[0]:.3f} s ({want[1]:.1f}x"), row
