@@ -201,3 +201,68 @@ def test_tp_ranks_spin_briefly_after_a_read_on_cpu(toy):
         pytest.skip("CPU engines only: on a GPU vLLM's 1 s stays")
     assert _busy_loop_default() == CPU_BUSY_LOOP_S
     assert toy.llm.collective_rpc(_busy_loop_default) == [CPU_BUSY_LOOP_S] * toy.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+
+
+def _trace_every_step(model, prompts, steps, edit=None, site=None):
+    """Per prompt: every block's output (or each block's ``site`` submodule's) at every step, the rows
+    of all steps concatenated ``[layer, position, width]``; with ``edit``, block 1's output is replaced
+    by itself plus ``edit`` at every step (a swap) before the later blocks are read."""
+    h = model.transformer.h
+    with model.trace(temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+        for p in prompts:
+            with tracer.invoke(p):
+                got = list().save()
+                for _ in tracer.iter[:steps]:
+                    vals = []
+                    for i in range(len(h)):  # in the forward's order
+                        if edit is not None and i == 1:
+                            h[1].output = h[1].output + edit.to(h[1].output.device)
+                        vals.append((h[i] if site is None else getattr(h[i], site)).output.clone())
+                    got.append(torch.stack(vals).cpu())
+    got = got if isinstance(got[0], list) else [got]  # one invoke: its list itself
+    return [torch.cat(g, dim=1) for g in got]
+
+
+def test_a_trace_of_every_step_reads_and_edits_what_nv_generate_captures(toy, tp):
+    """A trace that reads every block's output at every generated step reads what ``nv.generate``
+    captures (``run.resid``); one that adds a vector to block 1's output at every step generates what
+    ``Edit.add`` on block 1 generates; reading each block's MLP gives the ``mlp`` site. On a GPU graph
+    engine the trace's decode steps replay the graphs in pieces with the trace served at the blocks'
+    outputs (docs/capture.md, "nnsight traces on a graph engine"), the MLP reads run eagerly, and a
+    place inside the forward first asked for in a later step is refused there (served on an eager
+    engine)."""
+    from conftest import same_values
+
+    from nnvllm.engine.models import uses_cuda_graphs
+
+    prompts, steps = [PROMPT, "Paris is the capital of", "The capital of Italy is"], 5
+    edit = torch.randn(toy.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 3.0
+    run = nv.generate(toy, prompts, max_tokens=steps, ignore_eos=True, sites=("mlp",) if tp == 1 else ())
+    read = _trace_every_step(toy, prompts, steps)
+    for i in range(len(prompts)):
+        assert same_values(read[i], run.resid[i]), (i, float((read[i] - run.resid[i]).abs().max()))
+    steered = nv.generate(toy, prompts, max_tokens=steps, ignore_eos=True, edits=[nv.Edit.add(edit, layers=[1])])
+    swapped = _trace_every_step(toy, prompts, steps, edit=edit)
+    for i in range(len(prompts)):
+        assert same_values(swapped[i], steered.resid[i]), (i, float((swapped[i] - steered.resid[i]).abs().max()))
+        assert (swapped[i][2:] - read[i][2:]).abs().max() > 0.1  # the swap reached the blocks after it
+    if tp == 1:  # (under TP a trace reads a submodule's output as this rank's slice or whole, by kind)
+        mlp = _trace_every_step(toy, prompts, steps, site="mlp")
+        for i in range(len(prompts)):
+            assert same_values(mlp[i], run.sites["mlp"][i])
+    h = toy.transformer.h
+
+    def late():
+        with toy.trace(PROMPT, temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+            out = list().save()
+            for step in tracer.iter[:steps]:
+                h[0].output.clone()
+                if step == 3:
+                    out.append(h[1].mlp.output.clone())
+        return out
+
+    if uses_cuda_graphs(toy):
+        with pytest.raises(Exception, match="in pieces"):
+            late()
+    else:
+        assert len(late()) == 1
