@@ -108,6 +108,15 @@ def test_saves_of_several_invokes_come_back_as_a_list_in_invoke_order(iso):
     assert isinstance(one, torch.Tensor) and (one.cpu() - lg[0].cpu()).abs().max() <= tol
 
 
+def test_values_saved_above_the_invokes_come_back_from_an_isolated_engine(iso):
+    """The trace's code above its invokes runs again in the engine's server; a value saved there
+    (``out = [None] * n; out.save()``) comes back as from an in-process engine (the server runs that
+    code in a trace scope; without one nnsight refuses the save: 'save() was called outside a trace')."""
+    from test_reliability import test_values_saved_above_several_invokes
+
+    test_values_saved_above_several_invokes(iso)
+
+
 def test_patch_reads_both_forms_of_saved_pairs(iso):
     """One cell (one invoke: a tensor) and several (a list) give the same numbers for the same cell."""
     one = nv.patch(iso, CLEAN, CORRUPT, " Paris", " Rome", layers=[0], positions=[3], progress=False)
@@ -542,11 +551,3 @@ def test_a_killed_engine_raises_engine_died_and_restart_brings_it_back(iso):
     time.sleep(0.5)  # the server, which was still up, was ended with the rest of the group
     assert not _alive(pids)
 
-
-def test_values_saved_above_the_invokes_come_back_from_an_isolated_engine(iso):
-    """The trace's code above its invokes runs again in the engine's server; a value saved there
-    (``out = [None] * n; out.save()``) comes back as from an in-process engine (the server runs that
-    code in a trace scope; without one nnsight refuses the save: 'save() was called outside a trace')."""
-    from test_reliability import test_values_saved_above_several_invokes
-
-    test_values_saved_above_several_invokes(iso)
