@@ -32,6 +32,9 @@ batch, then the median of ``--repeats``):
   same process also times ``model.llm.generate`` (nnvllm's engine, nothing captured) and, as
   ``<case>_tokens``, ``nv.generate`` keeping only tokens and samples (every ``nv_*`` case).
 - ``nv_eager``: the same with ``cuda_graphs=False``.
+- ``nv_graphs_nopieces``: ``nv_graphs`` with ``NNVLLM_TRACE_PIECES=0`` (whole graphs only, not also in
+  pieces for traces): what recording the pieces costs ``nv.generate``. Every ``nv_*`` case also
+  records ``<case>_load``, the seconds ``nv.load`` took (engine start and graph recording).
 - ``nv_default``: ``nv.load(path, dtype="float16")`` and nothing else: what a researcher gets
   (on a GPU: an isolated engine with CUDA graphs).
 - ``nv_isolated``: ``nv.generate`` on an isolated engine (``isolate=True``, graphs on).
@@ -173,6 +176,8 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         mode = name.split("_handover_")[1] if "_handover_" in name else None
         if mode:
             os.environ["NNVLLM_HANDOVER"] = mode  # inherited by the engine's processes
+        if name.endswith("_nopieces"):
+            os.environ["NNVLLM_TRACE_PIECES"] = "0"  # whole graphs only (as before graph pieces)
         import nnvllm as nv
         from nnvllm import capture
         from vllm import SamplingParams
@@ -181,11 +186,13 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         dtype = "float16"
         if name.startswith("nv_fp32"):  # fp32 weights, with and without exact=True (full-precision attention)
             dtype, kw["exact"] = "float32", name == "nv_fp32_exact"
+        t = time.perf_counter()
         if name == "nv_default":
             model = nv.load(path, dtype=dtype, gpu_memory_utilization=gpu_util)
         else:
             model = nv.load(path, isolate=name.startswith("nv_isolated"), dtype=dtype,
                             gpu_memory_utilization=gpu_util, **kw)
+        res[name + "_load"] = {"seconds": time.perf_counter() - t}  # engine start and graph recording (not a ratio)
         if not getattr(model, "_nnvllm_isolated", False) and not mode:
             sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
             res[name + "_bare"] = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), repeats)
