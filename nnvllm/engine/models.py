@@ -395,8 +395,9 @@ def _buildmodel_classes():
         _WORKER_CLS = "nnvllm.engine.worker.gpu.NNsightUntiedGPUWorker"
 
         # nnsight runs an engine without taps eagerly (its hooks cannot fire in a replayed graph).
-        # nnvllm's recording taps are recorded into the graphs (nnvllm.engine.worker.taps), and its runner runs
-        # any step that carries an nnsight trace eagerly, so the engine keeps vLLM's CUDA graphs.
+        # nnvllm's recording taps are recorded into the graphs (nnvllm.engine.worker.taps), and its runner
+        # serves an nnsight trace between graph pieces or runs its steps eagerly (engine.worker.pieces),
+        # so the engine keeps vLLM's CUDA graphs.
         def _load(self, repo_id: str, **kwargs: Any):
             self._nnvllm_graphs = bool(kwargs.pop("cuda_graphs", False))
             self._nnvllm_pieces = self._nnvllm_graphs and trace_pieces()
