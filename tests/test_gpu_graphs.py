@@ -12,7 +12,7 @@ other kernels for it, which rounds fp32 differently. So residuals, sites and log
 ``REL`` of their scale, and the gaps are printed (a row from a wrong step or request would be off by
 whole units).
 It also runs ``nv.patch`` on both engines (its
-passes run eagerly on the graph engine: they carry an nnsight trace). Steering the residual stream
+passes run eagerly on the graph engine: they set activations, an edit the graphs cannot make). Steering the residual stream
 runs inside the replayed graphs (``_Taps.gadd``): the steered generation must equal the eager
 engine's, and must not have fallen back to eager steps.
 
@@ -80,7 +80,7 @@ def test_graph_engine_captures_and_patches_what_the_eager_engine_does(toy_path):
     print("graph engine vs eager engine, largest relative gap over the requests:", gaps)
     for what, gap in gaps.items():
         assert gap < REL, f"graph-engine {what}: {gap:.3g} of its scale from the eager engine's (worst request)"
-    # nv.patch's traces run eagerly on both engines. Its results are bit-identical in some H200 runs
+    # nv.patch's passes run eagerly on both engines. Its results are bit-identical in some H200 runs
     # and ~1e-4 apart in others (-6.8381 vs -6.8382 in one cell): two eager runs of the same batch, not
     # graphs against eager. Within fp32 rounding of a logit difference of ~7.
     assert (graphs_patch.patched_diff - eager_patch.patched_diff).abs().max() < 1e-3

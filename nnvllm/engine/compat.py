@@ -428,7 +428,7 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
     Touch("nnsight.modeling.vllm.serve.http", "headers", "isolated.py", "the serve protocol's headers"),
     # vLLM: the model runner nnvllm's worker records in (nnvllm/engine/worker/runner.py)
     Touch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner._determine_batch_execution_and_padding", "worker/runner.py",
-          "run a step that carries an nnsight trace eagerly (CUDA graphs stay on)",
+          "run each step as a whole graph, in graph pieces (an nnsight trace) or eagerly",
           set_in_init=("input_batch", "requests", "query_start_loc", "positions", "model_config",
                        "compilation_config", "execute_model_state", "device")),
     Touch("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.get_model", "worker/runner.py", "the model the taps go on"),
