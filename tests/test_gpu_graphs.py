@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import nnvllm as nv
-from test_vllm import _trace_every_step
+from test_vllm import _late_read, _trace_every_step
 
 pytestmark = pytest.mark.gpu
 
@@ -107,18 +107,6 @@ def _modes(model) -> dict:
     return model.llm.collective_rpc("nnvllm_step_modes", kwargs={"reset": True})[0]
 
 
-def _late(model):
-    """Reads block 0 at every step, and a submodule inside the forward only at step 3."""
-    h = model.transformer.h
-    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:
-        late = list().save()
-        for step in tracer.iter[:T]:
-            h[0].output.clone()
-            if step == 3:
-                late.append(h[1].mlp.output.clone())
-    return late
-
-
 def _traces(toy_path, graphs: bool) -> dict:
     model = nv.load(toy_path, isolate=False, dtype="float32", gpu_memory_utilization=0.3,
                     kv_cache_memory_bytes=1 << 30, cuda_graphs=graphs)
@@ -129,7 +117,7 @@ def _traces(toy_path, graphs: bool) -> dict:
         out = {}
         for what, fn in (("read", lambda: _trace_every_step(model, PROMPTS, T)),
                          ("edit", lambda: _trace_every_step(model, PROMPTS, T, edit=edit)),
-                         ("mlp", lambda: _trace_every_step(model, PROMPTS, T, site="mlp")), ("late", lambda: _late(model)),
+                         ("mlp", lambda: _trace_every_step(model, PROMPTS, T, site="mlp")), ("late", lambda: _late_read(model, T)),
                          ("generate", lambda: nv.generate(model, PROMPTS * 8, max_tokens=T, ignore_eos=True))):
             try:
                 out[what] = fn()

@@ -223,6 +223,19 @@ def _trace_every_step(model, prompts, steps, edit=None, site=None):
     return [torch.cat(g, dim=1) for g in got]
 
 
+def _late_read(model, steps):
+    """A trace that reads block 0's output at every step, and a submodule inside the forward (block
+    1's MLP) only at step 3."""
+    h = model.transformer.h
+    with model.trace(PROMPT, temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+        out = list().save()
+        for step in tracer.iter[:steps]:
+            h[0].output.clone()
+            if step == 3:
+                out.append(h[1].mlp.output.clone())
+    return out
+
+
 def test_a_trace_of_every_step_reads_and_edits_what_nv_generate_captures(toy, tp):
     """A trace that reads every block's output at every generated step reads what ``nv.generate``
     captures (``run.resid``); one that adds a vector to block 1's output at every step generates what
@@ -250,19 +263,8 @@ def test_a_trace_of_every_step_reads_and_edits_what_nv_generate_captures(toy, tp
         mlp = _trace_every_step(toy, prompts, steps, site="mlp")
         for i in range(len(prompts)):
             assert same_values(mlp[i], run.sites["mlp"][i])
-    h = toy.transformer.h
-
-    def late():
-        with toy.trace(PROMPT, temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
-            out = list().save()
-            for step in tracer.iter[:steps]:
-                h[0].output.clone()
-                if step == 3:
-                    out.append(h[1].mlp.output.clone())
-        return out
-
     if uses_cuda_graphs(toy):
         with pytest.raises(Exception, match="in pieces"):
-            late()
+            _late_read(toy, steps)
     else:
-        assert len(late()) == 1
+        assert len(_late_read(toy, steps)) == 1
