@@ -50,7 +50,9 @@ batch, then the median of ``--repeats``):
 - ``nv_trace`` / ``nv_trace_nopieces``: an nnsight trace reading every block's output at every step
   (one invoke per prompt) on the in-process graph engine, with its traced decode steps replayed in
   graph pieces (the default) or run eagerly (``NNVLLM_TRACE_PIECES=0``); beside ``<case>_generate``,
-  ``nv.generate`` keeping the same on the same engine; ``per_call`` has each call's step modes.
+  ``nv.generate`` keeping the same on the same engine, and ``<case>_logits_only``, the trace reading
+  only the logits (nnsight's cost per invoke without block reads; its decode steps replay the pieces
+  too, as every traced step does); ``per_call`` has each call's step modes.
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -256,6 +258,15 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                                                       else blocks[i].output for i in range(L)]))
             return steps
 
+        def logits_run(k):  # the same trace reading only the logits: nnsight's per-invoke cost, no block read
+            with model.trace(temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:
+                for p in ps[:k]:
+                    with tracer.invoke(p):
+                        steps = list().save()
+                        for _ in tracer.iter[:T]:
+                            steps.append(model.logits.argmax(-1))
+            return steps
+
         # nnsight runs one worker per invoke, in Python, at every location it reads: its cost grows with
         # the prompts, the forward's does not; so batches of 1 and 8 prompts (and --prompts, once).
         for k in (1, 8):
@@ -263,6 +274,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                 lambda k=k: nv.generate(model, ps[:k], max_tokens=T, ignore_eos=True, logits=False), repeats)
             modes()
             res[f"{name}_{k}"] = _timed(lambda k=k: trace_run(k), repeats, snap=modes)
+            res[f"{name}_{k}_logits_only"] = _timed(lambda k=k: logits_run(k), repeats, snap=modes)
         res[f"{name}_{n}_generate"] = _timed(
             lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False), 1)
         modes()
