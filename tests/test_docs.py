@@ -83,3 +83,5 @@ def test_the_gpu_cost_tables_in_docs_capture_are_their_recorded_runs():
         assert row[2] == f"{s[f'nv_trace_{k}']:.3f} s ({s[f'nv_trace_{k}'] / s[f'nv_trace_{k}_generate']:.1f}x)", row
         want = s[f"nv_trace_nopieces_{k}"], s[f"nv_trace_nopieces_{k}"] / s[f"nv_trace_nopieces_{k}_generate"]
         assert row[3].startswith(f"{want[0]:.3f} s ({want[1]:.1f}x"), row
+    stated = " / ".join(f"{s[f'nv_trace_nopieces_{k}_generate']:.3f}" for k in (1, 8, 64))
+    assert f"took {stated} s for it" in " ".join(doc.split()), stated
