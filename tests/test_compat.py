@@ -189,3 +189,16 @@ def test_an_optional_touchs_module_may_be_absent_but_not_its_name():
             _compat.Touch("torch.distributed.rendezvous", "NoSuchStore", "y.py", "a renamed name", optional=True))
     missing = _compat.missing_private_names(gone)
     assert len(missing) == 1 and "NoSuchStore" in missing[0], missing
+
+
+def test_the_graph_switches_read_1_or_0_and_refuse_anything_else(monkeypatch):
+    from nnvllm.engine.models import default_cuda_graphs, trace_pieces
+
+    for name, fn in (("NNVLLM_CUDA_GRAPHS", default_cuda_graphs), ("NNVLLM_TRACE_PIECES", trace_pieces)):
+        monkeypatch.setenv(name, "0")
+        assert fn() is False
+        monkeypatch.setenv(name, "yes please")
+        with pytest.raises(ValueError, match=f"{name}='yes please'; expected 1 or 0"):
+            fn()
+    monkeypatch.setenv("NNVLLM_CUDA_GRAPHS", "1")
+    assert default_cuda_graphs() is True

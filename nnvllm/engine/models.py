@@ -448,13 +448,18 @@ def ray_copies_nnvllm_environment() -> None:
         os.environ[name] = ",".join(have + ["NNVLLM_"])
 
 
+def _switch(name: str) -> bool:
+    """An on/off setting that is on unless set to 0 (or false); anything else is refused."""
+    v = os.environ.get(name, "1").strip().lower()
+    if v not in ("0", "1", "true", "false", ""):
+        raise ValueError(f"{name}={v!r}; expected 1 or 0")
+    return v in ("1", "true", "")
+
+
 def default_cuda_graphs() -> bool:
     """``cuda_graphs`` when :func:`load` is not given it: on (vLLM's CUDA graphs replay the decode
     steps, with nnvllm's taps recorded into them); ``NNVLLM_CUDA_GRAPHS=0`` turns it off."""
-    v = os.environ.get("NNVLLM_CUDA_GRAPHS", "1").strip().lower()
-    if v not in ("0", "1", "true", "false", ""):
-        raise ValueError(f"NNVLLM_CUDA_GRAPHS={v!r}; expected 1 or 0")
-    return v in ("1", "true", "")
+    return _switch("NNVLLM_CUDA_GRAPHS")
 
 
 def exact_environment() -> None:
@@ -483,10 +488,7 @@ def trace_pieces() -> bool:
     trace that reads or edits only the blocks' outputs replays them instead of running eagerly
     (:mod:`nnvllm.engine.worker.pieces`): on where vLLM has breakable CUDA graphs;
     ``NNVLLM_TRACE_PIECES=0`` turns it off."""
-    v = os.environ.get("NNVLLM_TRACE_PIECES", "1").strip().lower()
-    if v not in ("0", "1", "true", "false", ""):
-        raise ValueError(f"NNVLLM_TRACE_PIECES={v!r}; expected 1 or 0")
-    if v in ("0", "false"):
+    if not _switch("NNVLLM_TRACE_PIECES"):
         return False
     try:
         import vllm.compilation.breakable_cudagraph  # noqa: F401
