@@ -192,7 +192,8 @@ def test_an_optional_touchs_module_may_be_absent_but_not_its_name():
 
 
 def test_the_graph_switches_read_1_or_0_and_refuse_anything_else(monkeypatch):
-    from nnvllm.engine.models import default_cuda_graphs, trace_pieces
+    from nnvllm.engine.models import default_cuda_graphs
+    from nnvllm.engine.worker.pieces import trace_pieces
 
     for name, fn in (("NNVLLM_CUDA_GRAPHS", default_cuda_graphs), ("NNVLLM_TRACE_PIECES", trace_pieces)):
         monkeypatch.setenv(name, "0")

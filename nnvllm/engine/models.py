@@ -400,11 +400,6 @@ def _buildmodel_classes():
         # so the engine keeps vLLM's CUDA graphs.
         def _load(self, repo_id: str, **kwargs: Any):
             self._nnvllm_graphs = bool(kwargs.pop("cuda_graphs", False))
-            self._nnvllm_pieces = self._nnvllm_graphs and trace_pieces()
-            if self._nnvllm_graphs:
-                # Read by vLLM where it builds the engine's config and in the engine's processes,
-                # which inherit it (engine.worker.pieces).
-                os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = "1" if self._nnvllm_pieces else "0"
             if kwargs.pop("exact", False):
                 exact_environment()
             if kwargs.get("distributed_executor_backend") == "ray":
@@ -416,7 +411,7 @@ def _buildmodel_classes():
             from vllm import LLM
 
             llm = LLM(repo_id, worker_cls=self._WORKER_CLS,
-                      **_graph_args(self._nnvllm_graphs, kwargs, self._nnvllm_pieces))
+                      **_graph_args(self._nnvllm_graphs, kwargs))
             llm.llm_engine.__class__ = NNsightLLMEngine  # as nnsight's own _load_sync
             return llm
 
@@ -425,7 +420,7 @@ def _buildmodel_classes():
             from vllm.v1.engine.async_llm import AsyncLLM
 
             args = AsyncEngineArgs(model=repo_id, worker_cls=self._WORKER_CLS,
-                                   **_graph_args(self._nnvllm_graphs, kwargs, self._nnvllm_pieces))
+                                   **_graph_args(self._nnvllm_graphs, kwargs))
             return AsyncLLM.from_engine_args(args)
 
     class CPUModel(_Mixin, CPUVLLM):
@@ -483,28 +478,13 @@ def uses_cuda_graphs(model) -> bool:
     return bool((relaunch.get("engine_args") or {}).get("cuda_graphs")) and has_cuda()
 
 
-def trace_pieces() -> bool:
-    """Whether a graph engine also records CUDA graphs in pieces, so that a step carrying an nnsight
-    trace that reads or edits only the blocks' outputs replays them instead of running eagerly
-    (:mod:`nnvllm.engine.worker.pieces`): on where vLLM has breakable CUDA graphs;
-    ``NNVLLM_TRACE_PIECES=0`` turns it off."""
-    if not _switch("NNVLLM_TRACE_PIECES"):
-        return False
-    try:
-        import vllm.compilation.breakable_cudagraph  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _graph_args(graphs: bool, kwargs: dict, pieces: bool = False) -> dict:
+def _graph_args(graphs: bool, kwargs: dict) -> dict:
     """vLLM engine arguments for nnvllm's GPU engine: CUDA graphs on (default) or eager.
 
     With graphs: full graphs for decode steps, prefill eager, and no torch.compile (a compiled
-    graph would not run the taps' hooks while vLLM records the graphs); with ``pieces`` also
-    piecewise graphs for decode steps that carry an nnsight trace (vLLM's mode ``FULL_AND_PIECEWISE``;
-    nnvllm's runner keeps prefill eager and records the pieces for decode sizes only). Measured on an
-    H200, see benchmarks/results/capture_gpu_h200.json.
+    graph would not run the taps' hooks while vLLM records the graphs). nnvllm's runner records each
+    decode graph in pieces too, for steps that carry an nnsight trace (:mod:`.worker.pieces`).
+    Measured on an H200, see benchmarks/results/capture_gpu_h200.json.
     """
     kwargs = dict(kwargs)
     kwargs.pop("enforce_eager", None)
@@ -513,5 +493,5 @@ def _graph_args(graphs: bool, kwargs: dict, pieces: bool = False) -> dict:
     cc = kwargs.pop("compilation_config", None) or {}
     if not isinstance(cc, dict):
         raise TypeError("compilation_config= must be a dict for nnvllm's engine (it sets mode and cudagraph_mode)")
-    cc = {"mode": 0, "cudagraph_mode": "FULL_AND_PIECEWISE" if pieces else "FULL_DECODE_ONLY", **cc}
+    cc = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", **cc}
     return {**kwargs, "enforce_eager": False, "compilation_config": cc}

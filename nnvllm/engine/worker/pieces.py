@@ -1,35 +1,38 @@
-"""How each step of a graph engine runs: its full CUDA graph, the graph in pieces with nnsight's
+"""How each step of a graph engine runs: its whole CUDA graph, the same graph in pieces with nnsight's
 traces served between them, or eagerly.
 
 A replayed CUDA graph runs no Python, so an nnsight trace (``with model.trace(...)``) cannot be
-served inside one. vLLM's *breakable* graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH=1``) are recorded in
-pieces: a Python callable registered while a piece is recorded runs between two pieces on every
-replay (nnsight's own ``taps`` use this). nnvllm's graph engine records, for every decode batch
-size, both vLLM's full graph and such a piecewise graph whose seams are every block's output (and
-vLLM's attention, which a piecewise graph runs eagerly). Each decode step then runs
+served inside one. For every decode batch size nnvllm's graph engine records vLLM's full graph twice:
+whole, and in pieces whose seams are the blocks' outputs. The pieces are recorded with vLLM's
+breakable capture (:class:`~vllm.compilation.breakable_cudagraph.BreakableCUDAGraphCapture`): a
+Python callable registered while a piece is recorded runs between two pieces on every replay
+(nnsight's own ``taps`` use it; nnsight's handoff is that callable). The step's runtime mode stays
+FULL while they are recorded, so vLLM's attention is recorded inside the pieces, as in the whole
+graph, and the seams are the blocks' outputs only. Each decode step then runs
 
-- its **full graph** when no trace is in it (``nv.generate``, ``nv.collect``: nnvllm's own taps
-  are recorded inside both kinds of graph);
-- its **piecewise graph** when every trace in it waits only at block outputs (or outside the
-  model's forward: logits, samples): the trace is served at the seams, reads and edits alike, at
-  close to graph speed;
+- its **whole graph** when no trace is in it (``nv.generate``, ``nv.collect``: nnvllm's own taps
+  are recorded inside both recordings);
+- its **graph in pieces** when every trace in it waits only at block outputs (or outside the
+  model's forward: logits, samples): the trace is served at the seams, reads and edits alike;
 - **eagerly** when a trace waits anywhere else (a submodule, a block's input, an operation inside
   a forward, a ``tracer.cache()`` of such places), when ``model.edit`` is installed, or when an
   nnvllm capture needs it (non-additive edits, sites not recorded in the graphs).
 
-Prefill and mixed steps run eagerly, as on an engine without piecewise graphs.
+Prefill and mixed steps run eagerly (the engine records decode graphs only).
 
 nnsight counts the visits of every location to match a trace's ``tracer.iter`` step to the model's.
-A piecewise step visits only the seams, so after it the locations inside the forward that it did
-not visit are counted as an eager step would have (:meth:`StepPlan.finish`). A trace that, in a
-piecewise step, went on from a seam to a location inside the forward missed it; it ends with an
-error that says so (its first step and any step where it waits there at the start run eagerly).
+A step in pieces visits only the seams, so after it the locations inside the forward that it did
+not visit are counted as an eager step would have (:meth:`StepPlan.finish`). A trace that, in such a
+step, went on from a seam to a location inside the forward missed it; it ends with an error that
+says so (its first step and any step where it waits there at the start run eagerly).
+
+``NNVLLM_TRACE_PIECES=0`` (in the engine's environment, so before ``nv.load``) records no pieces:
+every traced step then runs eagerly.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Any
 
 import torch
@@ -37,17 +40,23 @@ import torch
 GRAPHS, PIECES, EAGER = "graphs", "pieces", "eager"
 
 
-def breakable_graphs() -> bool:
-    """Whether this vLLM records breakable (piecewise) CUDA graphs and they are switched on."""
+def trace_pieces() -> bool:
+    """Whether a graph engine records its decode graphs in pieces too, so that a step carrying an
+    nnsight trace that reads or edits only the blocks' outputs replays them instead of running
+    eagerly: on where vLLM has breakable CUDA graph capture; ``NNVLLM_TRACE_PIECES=0`` turns it off."""
+    from ..models import _switch
+
+    if not _switch("NNVLLM_TRACE_PIECES"):
+        return False
     try:
-        from vllm.compilation.breakable_cudagraph import is_breakable_cudagraph_enabled
+        import vllm.compilation.breakable_cudagraph  # noqa: F401
     except ImportError:
         return False
-    return bool(is_breakable_cudagraph_enabled())
+    return True
 
 
 def _interleaver_class():
-    """nnsight's graph-aware interleaver, serving seams (``graph_taps``) in piecewise steps and every
+    """nnsight's graph-aware interleaver, serving seams (``graph_taps``) in steps in pieces and every
     location in eager ones (nnsight's own skips non-taps everywhere), and learning which locations
     lie inside the recorded graphs."""
     from nnsight.intervention.interleaver import Interleaver
@@ -59,7 +68,7 @@ def _interleaver_class():
                 self.in_graph.add(provider)
             if provider in self.graph_taps:
                 capture = _capture()
-                if capture is not None:  # recording a piecewise graph: serve here on every replay
+                if capture is not None:  # recording the pieces: serve here on every replay
                     live = _weak(value)
                     capture.add_eager(lambda: self.replay(provider, live))
                     return value
@@ -84,65 +93,91 @@ def _interleaver_class():
     return PieceInterleaver
 
 
+def _graphs_class(base: type) -> type:
+    """vLLM's full-graph wrapper (``base``), which also records each decode graph in pieces and
+    replays those in a step the plan runs in pieces."""
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    class GraphsAndPieces(base):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            if not is_forward_context_available():
+                return super().__call__(*args, **kwargs)
+            ctx = get_forward_context()
+            if ctx.cudagraph_runtime_mode != CUDAGraphMode.FULL:
+                return super().__call__(*args, **kwargs)
+            plan = self.nnvllm_plan
+            if plan.mode == PIECES:
+                return self.nnvllm_pieces(*args, **kwargs)
+            if plan.mode == EAGER:  # a trace, and no pieces of this size: the forward itself
+                return self.runnable(*args, **kwargs)
+            entry = self.concrete_cudagraph_entries.get(ctx.batch_descriptor)
+            recording = entry is None or entry.cudagraph is None
+            out = super().__call__(*args, **kwargs)
+            if recording:
+                # The same inputs (vLLM's static buffers), recorded again in pieces; the whole graph's
+                # output is still held, so the pieces' memory does not overlap it.
+                self.nnvllm_pieces(*args, **kwargs)
+            return out
+
+        def nnvllm_has_pieces(self, descriptor: Any) -> bool:
+            entry = self.nnvllm_pieces.entries.get(descriptor)
+            return entry is not None and entry.capture is not None
+
+    return GraphsAndPieces
+
+
 class StepPlan:
-    """The runner's choice of how each step runs, and the bookkeeping a piecewise step needs."""
+    """The runner's choice of how each step runs, and the bookkeeping a step in pieces needs."""
 
     def __init__(self, runner: Any, blocks: str, n_layers: int) -> None:
         self.runner = runner
-        self.pieces = False  # piecewise graphs are recorded (see before_capture)
+        self.pieces = False  # decode graphs are recorded in pieces too
+        self.graphs: Any = None  # vLLM's full-graph wrapper, once it records pieces too
         self.modes: collections.Counter = collections.Counter()  # steps run per mode (nnvllm_step_modes)
         self.mode: str | None = None  # this step's
         self.before: dict[str, int] | None = None  # nnsight's visit counts before a traced step
         self.per_step: dict[str, int] = {}  # visits an eager step makes inside the forward, off the seams
-        if runner.device.type != "cuda" or not breakable_graphs() or not hasattr(runner, "nnsight_model"):
+        if runner.device.type != "cuda" or not hasattr(runner, "nnsight_model") or not trace_pieces():
             return
+        from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+        from vllm.compilation.cuda_graph import CUDAGraphWrapper
         from vllm.config import CUDAGraphMode
 
+        # After load_model, vLLM's full-graph wrapper is the runner's model. Swapped now, before vLLM
+        # profiles the graphs' memory, so that the profile records the pieces too.
+        graphs = runner.model
+        if type(graphs) is not CUDAGraphWrapper or graphs.runtime_mode != CUDAGraphMode.FULL:
+            return  # no full graphs (eager, or wrapped otherwise, e.g. micro-batching): traced steps run eagerly
+        graphs.__class__ = _graphs_class(CUDAGraphWrapper)
+        graphs.nnvllm_plan = self
+        graphs.nnvllm_pieces = BreakableCUDAGraphWrapper(graphs.runnable, graphs.vllm_config,
+                                                         runtime_mode=CUDAGraphMode.FULL)
+        self.graphs = graphs
         il = runner.nnsight_model.interleaver
         il.__class__ = _interleaver_class()
         il.graph_taps = frozenset(f"model.{blocks}.{j}.output" for j in range(n_layers))
         il.in_graph, il.learning = set(), False
-        disp = runner.cudagraph_dispatcher
-        dispatch = disp.dispatch
-
-        def no_full_in_pieces(*args, **kwargs):
-            if self.mode == PIECES:
-                kwargs["invalid_modes"] = set(kwargs.get("invalid_modes") or ()) | {CUDAGraphMode.FULL}
-            return dispatch(*args, **kwargs)
-
-        disp.dispatch = no_full_in_pieces
+        self.pieces = True
 
     # ---- recording
     def before_capture(self) -> None:
-        """Record piecewise graphs for the decode batch sizes only (prefill runs eagerly), and learn
-        which locations the recorded forward visits. Piecewise steps are on when vLLM (its attention
-        backend having had its say) records both kinds of graph."""
-        il = getattr(getattr(self.runner, "nnsight_model", None), "interleaver", None)
-        if not hasattr(il, "graph_taps"):
-            return
-        from vllm.config import CUDAGraphMode
-
-        keys = self.runner.cudagraph_dispatcher.cudagraph_keys
-        if not keys[CUDAGraphMode.PIECEWISE] or not keys[CUDAGraphMode.FULL]:
-            return
-        keys[CUDAGraphMode.PIECEWISE] = {dataclasses.replace(k, num_reqs=None, uniform=False)
-                                        for k in keys[CUDAGraphMode.FULL]}
-        il.learning = self.pieces = True
+        """Learn which locations the recorded forward visits (nnsight's handoff runs while vLLM
+        records the graphs)."""
+        if self.pieces:
+            self.runner.nnsight_model.interleaver.learning = True
 
     def after_capture(self) -> None:
-        il = getattr(getattr(self.runner, "nnsight_model", None), "interleaver", None)
-        if il is not None and hasattr(il, "learning"):
-            il.learning = False
+        if self.pieces:
+            self.runner.nnsight_model.interleaver.learning = False
 
     # ---- each step
-    def choose(self, decode: bool) -> str:
+    def choose(self) -> str:
         """How the step about to run should run (before vLLM dispatches it)."""
         r = self.runner
         cap = getattr(r, "_nnvllm_capture", None)
         if cap is not None and cap.need_eager:
             return EAGER
-        if self.pieces and not decode:
-            return EAGER  # prefill and mixed steps: eager, as on a FULL_DECODE_ONLY engine
         reqs = getattr(r, "nnsight_requests", None)
         if reqs is None:
             return GRAPHS
@@ -162,17 +197,19 @@ class StepPlan:
             return EAGER  # a tracer.cache() of locations inside the forward
         return PIECES
 
-    def start(self, dispatched: Any) -> None:
-        """The step's mode as vLLM dispatched it (a batch too large for a graph runs eagerly)."""
-        name = getattr(dispatched, "name", str(dispatched))
-        self.mode = {"FULL": GRAPHS, "PIECEWISE": PIECES}.get(name, EAGER)
+    def start(self, dispatched: Any, descriptor: Any) -> None:
+        """The step's mode as vLLM dispatched it (prefill, and a batch too large for a graph, run
+        eagerly; a traced step runs in pieces only where they were recorded for its size)."""
+        if getattr(dispatched, "name", str(dispatched)) != "FULL" or (
+                self.mode == PIECES and not self.graphs.nnvllm_has_pieces(descriptor)):
+            self.mode = EAGER
         self.modes[self.mode] += 1
         il = getattr(getattr(self.runner, "nnsight_model", None), "interleaver", None)
         self.before = dict(il.counts) if self.pieces and il is not None and il.mediators else None
 
     def finish(self) -> None:
         """After the forward: keep nnsight's visit counts as an eager step would leave them; end the
-        traces that missed a location inside a piecewise step."""
+        traces that missed a location inside a step in pieces."""
         before, self.before = self.before, None
         mode, self.mode = self.mode, None
         if before is None:
@@ -196,13 +233,13 @@ class StepPlan:
 
 
 def _missed(mediator: Any, provider: str) -> None:
-    """End a trace that waited, in a piecewise step, for a location that step does not visit."""
+    """End a trace that waited, in a step in pieces, for a location that step does not visit."""
     from greenlet import getcurrent
     from nnsight.intervention.interleaver import OutOfOrderError
 
     error = OutOfOrderError(
         f"'{provider}' lies inside the model's forward, and this trace first asked for it in a generation "
-        "step that ran as a CUDA graph in pieces, which stops only at the blocks' outputs. A trace that "
+        "step that ran as a CUDA graph in pieces, which stop only at the blocks' outputs. A trace that "
         "waits there at the start of a step (for example, reads it at every step) runs that step eagerly; "
         "read it from the trace's first step on, or load the model with cuda_graphs=False.")
     try:

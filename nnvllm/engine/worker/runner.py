@@ -70,11 +70,11 @@ class RecordingRunner:
         plan = getattr(self, "_nnvllm_plan", None)
         if plan is None or kwargs.get("force_uniform_decode") is not None:
             return super()._determine_batch_execution_and_padding(*args, **kwargs)  # recording, warm-up
-        plan.mode = plan.choose(_decode_step(self, args, kwargs))
+        plan.mode = plan.choose()
         if plan.mode == EAGER:
             kwargs["force_eager"] = True
         out = super()._determine_batch_execution_and_padding(*args, **kwargs)
-        plan.start(out[0])
+        plan.start(out[0], out[1])
         return out
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
@@ -90,19 +90,6 @@ class RecordingRunner:
         if cap is not None and out is None:
             cap.step(self)
         return out
-
-
-def _decode_step(runner: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether the step vLLM is dispatching is a pure decode step (every request one new token),
-    from the arguments of ``_determine_batch_execution_and_padding``."""
-    names = ("num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens")
-    got = dict(zip(names, args))
-    got.update({k: kwargs[k] for k in names if k in kwargs})
-    q = int(getattr(runner, "uniform_decode_query_len", 1) or 1)
-    try:
-        return int(got["max_num_scheduled_tokens"]) == q and int(got["num_tokens"]) == int(got["num_reqs"]) * q
-    except (KeyError, TypeError):
-        return False
 
 
 class CaptureWorker:
@@ -157,9 +144,9 @@ class CaptureWorker:
         return {"pid": os.getpid(), "files": paths, "kept": kept}
 
     def nnvllm_step_modes(self, reset: bool = False) -> dict:
-        """How many engine steps ran as full CUDA graphs, in graph pieces (an nnsight trace served at the
-        blocks' outputs) and eagerly, since the engine started or the last ``reset``; and whether
-        piecewise graphs are recorded (:mod:`.pieces`)."""
+        """How many engine steps ran as whole CUDA graphs, as graphs in pieces (an nnsight trace served
+        at the blocks' outputs) and eagerly, since the engine started or the last ``reset``; and whether
+        the decode graphs are recorded in pieces too (:mod:`.pieces`)."""
         plan = getattr(self.model_runner, "_nnvllm_plan", None)
         if plan is None:
             return {"pieces_recorded": False}
