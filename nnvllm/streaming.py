@@ -41,7 +41,8 @@ class Step:
 
     Attributes:
         index: 0, 1, ...: this stream's steps.
-        tokens: the token ids that arrived at this step (one, or none for a prompt that has finished).
+        tokens: the token ids that arrived at this step: one, or several where the engine ran ahead of
+            the stream (an isolated engine), or none for a prompt that has finished.
         text: everything generated so far.
         probs: the sampling probability of each new token (as :attr:`nnvllm.Samples.probs`).
         lens_ids: ``[prompt, layer]`` the logit lens's top-1 token at the position that produced the

@@ -494,6 +494,32 @@ def test_live_lens_html():
     assert out.count("<td></td>") == 1 and "title='0.250'" in out
 
 
+def test_a_step_of_several_tokens_gives_a_column_each_with_the_lens_on_the_newest():
+    """An isolated engine can bring several tokens in one stream step; the step's lens is the newest
+    token's. The live panel gets a column per token (earlier ones empty), so it never shows a lens under
+    the wrong token and its width is the number of tokens."""
+    import math
+
+    from nnvllm.streaming import Step
+    from nnvllm.widgets.live import step_columns
+
+    def step(tokens, ids, ps):
+        return Step(index=0, tokens=[tokens], text=[""], probs=[[0.5] * len(tokens)],
+                    lens_ids=torch.tensor([ids]), lens_probs=torch.tensor([ps]), finished=[False])
+
+    cols = step_columns(step([5, 7, 9], [3, 4], [0.25, 0.75]), lambda i: f"<{i}>", 2)
+    assert [t for t, _ in cols] == ["<5>", "<7>", "<9>"]
+    assert cols[2][1] == [("<3>", 0.25), ("<4>", 0.75)]
+    assert all(c == "" and math.isnan(p) for _, cells in cols[:2] for c, p in cells)
+    out = live_lens_html([0, 1], [cells for _, cells in cols], [t for t, _ in cols])
+    assert out.count("<td") == 2 * 3 and out.count("<td></td>") == 2 * 2
+    one = step_columns(step([5], [3, -1], [0.25, float("nan")]), lambda i: f"<{i}>", 2)
+    assert one[0][0] == "<5>" and one[0][1][0] == ("<3>", 0.25) and one[0][1][1][0] == ""
+    no_layers = Step(index=0, tokens=[[5, 6]], text=[""], probs=[[0.5, 0.5]], lens_ids=None, lens_probs=None,
+                     finished=[False])
+    assert step_columns(no_layers, str, 0) == [("5", None), ("6", None)]
+
+
 def test_live_generation_streams_and_stops(toy):
     """LiveGeneration: tokens and the lens panel grow while the engine generates; Stop ends it and
     the Run keeps what was produced (equal to what the widget showed)."""

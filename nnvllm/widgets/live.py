@@ -121,10 +121,11 @@ class LiveGeneration(_Explorer):
                 self.steps.append(step)
                 self.text.value = tok_html(self.prompt_text) + f"<b>{tok_html(step.text[0])}</b>"
                 if step.tokens[0]:
-                    self._generated.append(decode(step.tokens[0][-1]))
+                    for text, cells in step_columns(step, decode, len(self.layers)):
+                        self._generated.append(text)
+                        if cells is not None:
+                            self._cells.append(cells)
                     if step.lens_ids is not None:
-                        self._cells.append([(decode(int(i)) if i >= 0 else "", float(p))
-                                            for i, p in zip(step.lens_ids[0].tolist(), step.lens_probs[0].tolist())])
                         self.panel.value = live_lens_html(self.layers, self._cells, self._generated)
                 self.status.value = f"generating: {len(self._generated)} token(s)"
                 if self.pace:
@@ -138,3 +139,24 @@ class LiveGeneration(_Explorer):
         finally:
             self.stop_button.disabled = True
             self.replay_button.disabled = False
+
+
+def step_columns(step, decode, n_layers: int) -> list[tuple[str, list[tuple[str, float]] | None]]:
+    """The lens panel's columns for one stream step of the first prompt: each new token's text and its
+    cells (top-1 token and probability per captured layer; None without layers).
+
+    A step can bring more than one token (an isolated engine generates ahead of the frames the stream
+    reads); the step's lens is that of the newest token's position, so the earlier tokens' columns are
+    left empty rather than shifted onto the wrong token."""
+    fresh = step.tokens[0]
+    out = []
+    for k, token in enumerate(fresh):
+        cells = None
+        if step.lens_ids is not None:
+            if k == len(fresh) - 1:
+                cells = [(decode(int(i)) if i >= 0 else "", float(p))
+                         for i, p in zip(step.lens_ids[0].tolist(), step.lens_probs[0].tolist())]
+            else:
+                cells = [("", float("nan"))] * n_layers
+        out.append((decode(token), cells))
+    return out
