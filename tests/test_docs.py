@@ -61,6 +61,7 @@ def test_the_gpu_cost_tables_in_docs_capture_are_their_recorded_runs():
     """docs/capture.md's H200 tables state the seconds and ratios of the runs they name, as
     ``benchmarks/capture_gpu.py --table`` renders them from ``benchmarks/results/capture_gpu_h200.json``."""
     import json
+    import statistics
     import subprocess
     import sys
 
@@ -68,20 +69,30 @@ def test_the_gpu_cost_tables_in_docs_capture_are_their_recorded_runs():
     results = root / "benchmarks" / "results" / "capture_gpu_h200.json"
     runs = json.loads(results.read_text())["runs"]
     doc = (root / "docs" / "capture.md").read_text()
-    tool = subprocess.run([sys.executable, str(root / "benchmarks" / "capture_gpu.py"), "--table", "llama1b_default_12",
+    tool = subprocess.run([sys.executable, str(root / "benchmarks" / "capture_gpu.py"), "--table", "llama1b_defaults",
                            "--out", str(results)], capture_output=True, text=True, check=True).stdout
     rendered = {r[0].strip("`"): r[1:] for r in _md_rows(tool, "x bare_graphs")}
     # The doc's rows, in order, are these cases of the run.
-    cases = ["bare_graphs", "nv_default", "nv_default_tokens", "nv_graphs", "nv_graphs_tokens", "nv_graphs_bare"]
-    doc_rows = _md_rows(doc, "run\n`llama1b_default_12`")
+    cases = ["bare_graphs", "nv_default", "nv_default_tokens", "nv_graphs", "nv_graphs_tokens", "nv_graphs_bare",
+             "nv_graphs_nopieces", "nv_graphs_nopieces_tokens", "nv_graphs_nopieces_bare", "bare_nocompile"]
+    doc_rows = _md_rows(doc, "run `llama1b_defaults`")
     assert [r[1:] for r in doc_rows] == [rendered[c] for c in cases], (doc_rows, rendered)
-    # The trace table: each cell is its case's seconds (and its ratio to nv.generate where stated).
-    s = runs["llama1b_trace_pieces"]["seconds"]
-    for row in _md_rows(doc, "--cases nv_trace,nv_trace_nopieces"):
+    # The spreads the text states are the run's.
+    every = runs["llama1b_defaults"]["all"]
+    for case, lo, hi in (("bare_graphs", 0.78, 1.21), ("nv_default", 0.88, 1.30), ("bare_nocompile", 0.94, 1.08)):
+        med = statistics.median(every[case])
+        assert (round(min(every[case]) / med, 2), round(max(every[case]) / med, 2)) == (lo, hi), case
+        assert f"{lo:.2f}x to {hi:.2f}x" in " ".join(doc.split()), case
+    # The trace table: each cell is its case's seconds (and its ratio to nv.generate).
+    s = runs["llama1b_trace_seams"]["seconds"]
+    rows = _md_rows(doc, "--cases nv_trace`")
+    assert [r[0] for r in rows] == ["1", "8", "64"], rows
+    for row in rows:
         k = row[0]
-        assert row[1] == f"{s[f'nv_trace_{k}_generate']:.3f} s", row
-        assert row[2] == f"{s[f'nv_trace_{k}']:.3f} s ({s[f'nv_trace_{k}'] / s[f'nv_trace_{k}_generate']:.1f}x)", row
-        want = s[f"nv_trace_nopieces_{k}"], s[f"nv_trace_nopieces_{k}"] / s[f"nv_trace_nopieces_{k}_generate"]
-        assert row[3].startswith(f"{want[0]:.3f} s ({want[1]:.1f}x"), row
-    stated = " / ".join(f"{s[f'nv_trace_nopieces_{k}_generate']:.3f}" for k in (1, 8, 64))
-    assert f"took {stated} s for it" in " ".join(doc.split()), stated
+        gen = s[f"nv_trace_{k}_generate"]
+        assert row[1] == f"{gen:.3f} s", row
+        for cell, case in ((row[2], f"nv_trace_{k}"), (row[3], f"nv_trace_{k}_logits_only")):
+            assert cell == (f"{s[case]:.3f} s ({s[case] / gen:.1f}x)" if case in s else ""), (row, case)
+    eager = runs["llama1b_trace_pieces"]["seconds"]
+    stated = " / ".join(f"{eager[f'nv_trace_nopieces_{k}']:.3f}" for k in (1, 8, 64))
+    assert f"took {stated} s there" in " ".join(doc.split()), stated

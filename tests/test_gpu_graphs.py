@@ -19,7 +19,7 @@ engine's, and must not have fallen back to eager steps.
 nnsight traces on the graph engine: a trace that reads, or swaps, the blocks' outputs replays the
 decode steps' graphs in pieces (``nnvllm/engine/worker/pieces.py``) and must read what the same trace
 reads on the eager engine; one that reads inside the forward runs eagerly; one that first asks for a
-place inside the forward in a piecewise step is refused, never served a later step's value.
+place inside the forward in a step in pieces is refused, never served a later step's value.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def test_a_trace_of_the_blocks_outputs_replays_graph_pieces_and_reads_and_edits_
     # A read inside the forward (each block's MLP) runs its steps eagerly, with the same values.
     assert not g["mlp_modes"].get("pieces") and g["mlp_modes"].get("eager", 0) >= T, g["mlp_modes"]
     assert max(_gap(a, b) for a, b in zip(g["mlp"], e["mlp"])) < REL
-    # A read inside the forward first asked for in a piecewise step is refused, not served from a later step.
+    # A read inside the forward first asked for in a step in pieces is refused, not served from a later step.
     assert isinstance(g["late"], Exception) and "in pieces" in str(g["late"]), g["late"]
     assert not isinstance(e["late"], Exception) and len(e["late"]) == 1  # an eager engine serves it
     # nv.generate afterwards: whole graphs again, the same numbers as on the eager engine.

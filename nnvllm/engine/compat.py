@@ -448,7 +448,7 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
     Touch("nnsight.intervention.interleaver", "Interleaver._reindex_parked", "worker/pieces.py",
           "note a trace that waits inside the forward"),
     Touch("nnsight.intervention.interleaver", "Mediator.occurrence", "worker/pieces.py",
-          "a trace that missed a location in a piecewise step"),
+          "a trace that missed a location in a step in pieces"),
     Touch("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "worker/cpu.py", "the CPU backend's runner"),
     Touch("vllm.v1.worker.cpu_worker", "CPUWorker", "worker/cpu.py", "the CPU backend's worker"),
     Touch("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading", "compat.py",
