@@ -24,6 +24,8 @@ place inside the forward in a step in pieces is refused, never served a later st
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -119,10 +121,13 @@ def _traces(toy_path, graphs: bool) -> dict:
                          ("edit", lambda: _trace_every_step(model, PROMPTS, T, edit=edit)),
                          ("mlp", lambda: _trace_every_step(model, PROMPTS, T, site="mlp")), ("late", lambda: _late_read(model, T)),
                          ("generate", lambda: nv.generate(model, PROMPTS * 8, max_tokens=T, ignore_eos=True))):
-            try:
-                out[what] = fn()
-            except Exception as e:  # noqa: BLE001 (asserted on below, with every case's modes printed)
-                out[what] = e
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    out[what] = fn()
+                except Exception as e:  # noqa: BLE001 (asserted on below, with every case's modes printed)
+                    out[what] = e
+            out[what + "_notices"] = [str(w.message) for w in caught if "ran eagerly" in str(w.message)]
             out[what + "_modes"] = _modes(model)
             print(f"cuda_graphs={graphs} {what}: step modes {out[what + '_modes']}"
                   + (f"; raised {out[what]!r}"[:600] if isinstance(out[what], Exception) else ""), flush=True)
@@ -148,8 +153,12 @@ def test_a_trace_of_the_blocks_outputs_replays_graph_pieces_and_reads_and_edits_
         assert len(gaps) == len(PROMPTS) and max(gaps) < REL, (what, max(gaps))
     moved = max(float((a[2:] - b[2:]).abs().max()) for a, b in zip(g["edit"], g["read"]))
     assert moved > 0.1  # the swap reached the forward after block 1
-    # A read inside the forward (each block's MLP) runs its steps eagerly, with the same values.
+    # A read inside the forward (each block's MLP) runs its steps eagerly, with the same values, and the
+    # trace says so in one notice naming the place; the traces served in pieces say nothing.
     assert not g["mlp_modes"].get("pieces") and g["mlp_modes"].get("eager", 0) >= T, g["mlp_modes"]
+    assert len(g["mlp_notices"]) == 1 and "mlp.output" in g["mlp_notices"][0], g["mlp_notices"]
+    assert not any(g[w + "_notices"] for w in ("read", "edit", "generate")), g
+    assert not any(e[w + "_notices"] for w in ("read", "edit", "mlp", "late", "generate")), e
     assert max(_gap(a, b) for a, b in zip(g["mlp"], e["mlp"])) < REL
     # A read inside the forward first asked for in a step in pieces is refused, not served from a later step.
     assert isinstance(g["late"], Exception) and "in pieces" in str(g["late"]), g["late"]

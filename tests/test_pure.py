@@ -1018,3 +1018,15 @@ def test_a_capture_travels_as_json_when_plain_and_as_tensors_otherwise():
     # What JSON would change is not sent as JSON: int keys, tuples.
     for changed in ({1: "a"}, {"a": (1, 2)}):
         assert pack(changed)[1] == "application/octet-stream" and unpack(*pack(changed)) == changed
+
+
+def test_the_eager_steps_notice_is_one_line_naming_why_and_how_many():
+    """A trace whose decode steps ran eagerly on a graph engine gets one line from every rank's notes:
+    the largest step count of its requests and the first reason; nothing when no step did."""
+    from nnvllm.engine.transport import eager_notice
+
+    assert eager_notice([]) is None and eager_notice([{}, None]) is None
+    why = "a trace reads model.transformer.h.0.mlp.output, inside the forward, not a block's output"
+    notice = eager_notice([{"a": (why, 4), "b": (why, 5)}, {"a": (why, 4)}])
+    assert notice.startswith("nnvllm: 5 decode step(s) of this trace ran eagerly on the CUDA graph engine: " + why)
+    assert "\n" not in notice and "docs/capture.md" in notice

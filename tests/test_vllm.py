@@ -8,6 +8,8 @@ transformers' own TF32-vs-CPU distance.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -260,9 +262,17 @@ def test_a_trace_of_every_step_reads_and_edits_what_nv_generate_captures(toy, tp
         assert same_values(swapped[i], steered.resid[i]), (i, float((swapped[i] - steered.resid[i]).abs().max()))
         assert (swapped[i][2:] - read[i][2:]).abs().max() > 0.1  # the swap reached the blocks after it
     if tp == 1:  # (under TP a trace reads a submodule's output as this rank's slice or whole, by kind)
-        mlp = _trace_every_step(toy, prompts, steps, site="mlp")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mlp = _trace_every_step(toy, prompts, steps, site="mlp")
         for i in range(len(prompts)):
             assert same_values(mlp[i], run.sites["mlp"][i])
+        # On a graph engine its decode steps ran eagerly, and one notice says why; elsewhere none.
+        notices = [str(w.message) for w in caught if "ran eagerly" in str(w.message)]
+        if uses_cuda_graphs(toy):
+            assert len(notices) == 1 and "mlp.output" in notices[0], notices
+        else:
+            assert not notices, notices
     if uses_cuda_graphs(toy):
         with pytest.raises(Exception, match="in pieces"):
             _late_read(toy, steps)

@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,8 @@ def _serve_backend_class():
             if not isinstance(result, dict) or not isinstance(result.get("saves", {}), dict):
                 raise UnsafeReply(f"{what} is not a trace's reply (a dict with 'saves' and 'error'); it was refused")
             raise_deferred(result.get("error"))
+            if isinstance(result.get("notice"), str):  # traced steps that ran eagerly on a graph engine
+                warnings.warn(result["notice"], stacklevel=5)
             return result.get("saves", {})
 
     return KeptAliveServeBackend

@@ -20,7 +20,7 @@ from typing import Any
 
 from .aborts import Calls, ClientLeft, while_client_waits  # (stdlib-only at import)
 from .procs import ENGINE_DIED, TOKEN_HEADER  # (stdlib-only at import)
-from .transport import (ARM, COLLECT, DISARM, PEEK, READOUT, UNEMBED, StreamBook, collect_tokens, pack,  # (stdlib-only at import)
+from .transport import (ARM, COLLECT, DISARM, PEEK, READOUT, UNEMBED, StreamBook, collect_tokens, eager_notice, pack,  # (stdlib-only at import)
                         plain_output, sampling_params, unpack)
 from .wire import to_data  # (stdlib-only at import)
 
@@ -186,6 +186,8 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         from nnsight.tracing.tracer import dec as trace_scope_out
         from nnsight.tracing.tracer import inc as trace_scope_in
 
+        from .models import uses_cuda_graphs
+
         model_ = serve._ready()
         body = await request.body()
         compress = request.headers.get("nnsight-compress", "False").lower() == "true"
@@ -209,8 +211,11 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             trace_scope_out()
         engine = model_.vllm_entrypoint
 
+        request_ids = []
+
         async def run_invoke(prompt, param, lora):
             request_id = uuid.uuid4().hex
+            request_ids.append(request_id)
             collected = False
             try:
                 output = None
@@ -250,6 +255,12 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             saves = to_data(_merge_saves(mediators, per_request), "the saved values")
         except TypeError as e:
             return serve._payload({}, capture_exception(e))
+        notice = None
+        if uses_cuda_graphs(model_):  # why traced steps ran eagerly, for the client to say (isolated.py)
+            with contextlib.suppress(Exception):
+                notice = eager_notice(await _rpc(engine, "nnvllm_eager_notes", (request_ids,)))
+        if notice:
+            return _torch_payload({"saves": saves, "error": first_error, "notice": notice})
         return serve._payload(saves, first_error)
 
     async def capture(request: Request):

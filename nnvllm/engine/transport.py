@@ -310,6 +310,7 @@ def _serial_tracer_class():
         def execute(self, code) -> None:
             with holding(self.envoy, "model.trace"):
                 super().execute(code)
+                warn_eager_steps(self.envoy)  # its steps that ran eagerly on a graph engine, if any
 
     # importable as nnvllm.engine.transport.SerialTracer (module __getattr__): pickled by reference
     SerialTracer.__module__, SerialTracer.__qualname__ = __name__, "SerialTracer"
@@ -323,6 +324,38 @@ def __getattr__(name: str):
             cls = globals()["_SERIAL_TRACER"] = _serial_tracer_class()
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def eager_notice(per_rank: list) -> str | None:
+    """The one-line notice for a trace whose decode steps ran eagerly on a CUDA graph engine, from
+    every rank's ``nnvllm_eager_notes`` (``{request id: (why, steps)}``), or None when none did."""
+    notes = {}
+    for part in per_rank:
+        for rid, (why, steps) in (part or {}).items():
+            notes.setdefault(rid, (why, int(steps)))
+    if not notes:
+        return None
+    why = next(iter(notes.values()))[0]
+    steps = max(n for _, n in notes.values())
+    return (f"nnvllm: {steps} decode step(s) of this trace ran eagerly on the CUDA graph engine: {why} "
+            "(which traced steps run eagerly, and why: docs/capture.md, 'nnsight traces on a graph engine')")
+
+
+def warn_eager_steps(model) -> None:
+    """After a trace on an in-process graph engine (which it held alone: transport.SerialTracer), ask
+    the workers why its decode steps ran eagerly, if any did, and say so in one warning. A notice never
+    fails the trace it is about."""
+    llm = getattr(model, "vllm_entrypoint", None)
+    if llm is None or not getattr(model, "_nnvllm_graphs", False):  # (models.uses_cuda_graphs, in-process)
+        return
+    try:
+        notice = eager_notice(llm.collective_rpc("nnvllm_eager_notes"))
+    except Exception:  # noqa: BLE001
+        return
+    if notice:
+        import warnings
+
+        warnings.warn(notice, stacklevel=4)
 
 
 def _take_returned(spec: dict) -> dict:

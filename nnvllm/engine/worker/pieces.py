@@ -28,6 +28,9 @@ says so (its first step and any step where it waits there at the start run eager
 
 ``NNVLLM_TRACE_PIECES=0`` (in the engine's environment, so before ``nv.load``) records no pieces:
 every traced step then runs eagerly.
+
+A decode step that a trace makes eager is noted for the trace's requests, with the reason; the client
+says so in one warning after the trace (:func:`nnvllm.engine.transport.eager_notice`).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def _interleaver_class():
             for m in self.mediators:
                 p = m.pending
                 if p is not None and p.provider is not None and self.off_seams(p.provider):
-                    m.nnvllm_eager = True  # it reads inside the forward: its later steps run eagerly
+                    m.nnvllm_eager = p.provider  # it reads inside the forward: its later steps run eagerly
 
         def off_seams(self, provider: str) -> bool:
             """Whether ``provider`` lies inside the recorded forward and is not a seam."""
@@ -138,6 +141,10 @@ class StepPlan:
         self.mode: str | None = None  # this step's
         self.before: dict[str, int] | None = None  # nnsight's visit counts before a traced step
         self.per_step: dict[str, int] = {}  # visits an eager step makes inside the forward, off the seams
+        # Why traced decode steps ran eagerly on a graph engine, per request: {request id: [why, steps,
+        # (ids the request is known by)]}, until the client asks (CaptureWorker.nnvllm_eager_notes).
+        self.notes: dict[str, list] = {}
+        self.graph_engine = runner.device.type == "cuda" and not getattr(runner.model_config, "enforce_eager", True)
         if runner.device.type != "cuda" or not hasattr(runner, "nnsight_model") or not trace_pieces():
             return
         from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
@@ -172,30 +179,62 @@ class StepPlan:
             self.runner.nnsight_model.interleaver.learning = False
 
     # ---- each step
-    def choose(self) -> str:
-        """How the step about to run should run (before vLLM dispatches it)."""
+    def choose(self, decode: bool) -> str:
+        """How the step about to run should run (before vLLM dispatches it). A decode step that a
+        trace makes eager on a graph engine is noted for the trace's requests (:meth:`take_notes`)."""
+        mode, why = self._choose()
+        if mode == EAGER and why is not None and decode and self.graph_engine:
+            self._note(why)
+        return mode
+
+    def _choose(self) -> tuple[str, str | None]:
         r = self.runner
         cap = getattr(r, "_nnvllm_capture", None)
         if cap is not None and cap.need_eager:
-            return EAGER
+            return EAGER, None  # nnvllm's own capture (nv.generate reports it in its stats)
         reqs = getattr(r, "nnsight_requests", None)
         if reqs is None:
-            return GRAPHS
+            return GRAPHS, None
         if reqs.templates:
-            return EAGER  # model.edit runs on every request
+            return EAGER, "model.edit is installed (its edits run on every request)"
         il = r.nnsight_model.interleaver
         if not il.mediators:
-            return GRAPHS
+            return GRAPHS, None
         if not self.pieces:
-            return EAGER
+            return EAGER, ("this engine records no graphs in pieces (NNVLLM_TRACE_PIECES=0, or a vLLM "
+                           "without breakable CUDA graph capture)")
         for m in il.mediators:
             p = m.pending
-            if getattr(m, "nnvllm_eager", False) or (p is not None and p.provider is not None
-                                                     and il.off_seams(p.provider)):
-                return EAGER
-        if any(il.off_seams(p) for p in il.observers):
-            return EAGER  # a tracer.cache() of locations inside the forward
-        return PIECES
+            where = getattr(m, "nnvllm_eager", None) or (
+                p.provider if p is not None and p.provider is not None and il.off_seams(p.provider) else None)
+            if where:
+                return EAGER, f"a trace reads {where}, inside the forward, not a block's output"
+        for p in il.observers:
+            if il.off_seams(p):
+                return EAGER, f"a tracer.cache() keeps {p}, inside the forward, not a block's output"
+        return PIECES, None
+
+    def _note(self, why: str) -> None:
+        r = self.runner
+        traced = {id(m) for m in r.nnsight_model.interleaver.mediators}
+        for request in r.nnsight_requests.requests.values():
+            if id(request.mediator) in traced:  # a trace's own worker (not model.edit's copies)
+                note = self.notes.setdefault(request.id, [why, 0, {request.id, request.stem, request.engine_id}])
+                note[1] += 1
+        while len(self.notes) > 4096:  # requests whose client never asked (a failed call)
+            self.notes.pop(next(iter(self.notes)))
+
+    def take_notes(self, request_ids: list[str] | None) -> dict[str, tuple[str, int]]:
+        """The notes of the named requests (the client's ids; None: every request's), removed here:
+        ``{id: (why, steps)}``."""
+        out = {}
+        for key in list(self.notes):
+            why, steps, names = self.notes[key]
+            hit = names if request_ids is None else names & set(request_ids)
+            if hit:
+                out[min(hit)] = (why, steps)
+                del self.notes[key]
+        return out
 
     def start(self, dispatched: Any, descriptor: Any) -> None:
         """The step's mode as vLLM dispatched it (prefill, and a batch too large for a graph, run

@@ -70,7 +70,7 @@ class RecordingRunner:
         plan = getattr(self, "_nnvllm_plan", None)
         if plan is None or kwargs.get("force_uniform_decode") is not None:
             return super()._determine_batch_execution_and_padding(*args, **kwargs)  # recording, warm-up
-        plan.mode = plan.choose()
+        plan.mode = plan.choose(_decode_step(self, args, kwargs))
         if plan.mode == EAGER:
             kwargs["force_eager"] = True
         out = super()._determine_batch_execution_and_padding(*args, **kwargs)
@@ -90,6 +90,19 @@ class RecordingRunner:
         if cap is not None and out is None:
             cap.step(self)
         return out
+
+
+def _decode_step(runner: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the step vLLM is dispatching is a pure decode step (every request one new token),
+    from the arguments of ``_determine_batch_execution_and_padding``."""
+    names = ("num_tokens", "num_reqs", "num_scheduled_tokens_np", "max_num_scheduled_tokens")
+    got = dict(zip(names, args))
+    got.update({k: kwargs[k] for k in names if k in kwargs})
+    q = int(getattr(runner, "uniform_decode_query_len", 1) or 1)
+    try:
+        return int(got["max_num_scheduled_tokens"]) == q and int(got["num_tokens"]) == int(got["num_reqs"]) * q
+    except (KeyError, TypeError):
+        return False
 
 
 class CaptureWorker:
@@ -154,6 +167,13 @@ class CaptureWorker:
         if reset:
             plan.modes.clear()
         return out
+
+    def nnvllm_eager_notes(self, request_ids: list | None = None) -> dict:
+        """Why decode steps of the named requests' traces (None: of every trace since the last ask)
+        ran eagerly on this graph engine, and how many: ``{request id: (why, steps)}``, each note given
+        once (:meth:`.pieces.StepPlan.take_notes`)."""
+        plan = getattr(self.model_runner, "_nnvllm_plan", None)
+        return {} if plan is None else plan.take_notes(None if request_ids is None else list(request_ids))
 
     def nnvllm_peek(self) -> bytes | None:
         """The armed capture's rows since the last peek (nv.stream) as ``torch.save`` bytes (an RPC
