@@ -15,6 +15,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 import nnvllm as nv
 from conftest import engine_kwargs
@@ -77,10 +78,12 @@ def test_models_in_a_row_give_their_memory_back(toy_path, tiny_paths):
         seen.append((peak - base, after - base))
         assert peak - base > 500 * 2**20  # an engine was really there
         assert len(_server_procs()) == n_servers
-        # The first load also imports the client side once per process (nnsight's serve client and
-        # the meta model, which import vLLM: ~190 MiB on CPU), so the baseline of the later loads is
-        # the RSS after the first close: memory must not grow from one load to the next.
-        limit = (300 if i == 0 else 30) * 2**20
+        # The first load also builds the client side once per process (nnsight's serve client and
+        # the meta model, which import vLLM's model code: 240-263 MiB on the 2-core CPU, of which
+        # importing vllm and nnsight's vLLM client is 47; 374 MiB on an H200, with CUDA's libraries),
+        # so the baseline of the later loads is the RSS after the first close: memory must not grow
+        # from one load to the next.
+        limit = ((450 if torch.cuda.is_available() else 300) if i == 0 else 30) * 2**20
         assert after - base < limit, f"load {i}: RSS {(after - base) / 2**20:.0f} MiB above baseline"
         if i == 0:
             base = after
