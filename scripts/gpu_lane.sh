@@ -25,6 +25,10 @@
 #                                    vllm-lens==1.2.1 in the bundle: bundle.sh .gpu vllm-lens==1.2.1 ...)
 #                gpt2s_every_case    capture_gpu.py, GPT-2-small shape, every case
 #                steer               capture_gpu.py, steering cost on the graph and the eager engine
+#                trace               capture_gpu.py, an nnsight trace of every block's output against nv.generate
+#                                    (1, 8, 64 prompts; docs/capture.md, "nnsight traces on a graph engine")
+#                defaults            capture_gpu.py, nv.load's defaults against bare vLLM, 12 calls each
+#                                    (docs/capture.md, "What it costs")
 #                fp32                fp32_gpu.py, where fp32 vLLM differs from transformers, layer by layer
 #                profile             profile_collect.py, where a 1,024 x 128 collect spends its time
 #                profile_sae         profile_collect.py --saes 16384, the same for sae_gpu.py's feature dataset
@@ -209,6 +213,10 @@ bench() {
         bench_item "$item" $c --name "$item" --shape "$shape" "$@" --timeout 150 --root $root --cases "$cases" ;;
       steer) bench_item "$item" $c --name llama1b_steer --shape llama1b --prompts 64 --tokens 128 \
                --timeout 200 --root $root --cases nv_steer,nv_steer_eager ;;
+      trace) bench_item "$item" $c --name llama1b_trace_seams --shape llama1b --prompts 64 --tokens 128 --repeats 3 \
+               --timeout 230 --root $root --cases nv_trace ;;
+      defaults) bench_item "$item" $c --name llama1b_defaults --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
+                  --timeout 140 --root $root --cases bare_graphs,nv_graphs,nv_graphs_nopieces,nv_default,bare_nocompile ;;
       fp32) bench_item "$item" "$PY" benchmarks/fp32_gpu.py --jobs 4 --timeout 200 ;;
       profile) bench_item "$item" "$PY" benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 \
                  --budget 8GB --root $root ;;
