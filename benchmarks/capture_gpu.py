@@ -53,6 +53,10 @@ batch, then the median of ``--repeats``):
   ``nv.generate`` keeping the same on the same engine, and ``<case>_logits_only``, the trace reading
   only the logits (nnsight's cost per invoke without block reads; its decode steps replay the pieces
   too, as every traced step does); ``per_call`` has each call's step modes.
+- ``nv_trace_profile``: the ``nv_trace`` case's 8-prompt calls (``nv.generate``, the trace, the
+  logits-only trace) once each under cProfile, with the engine core in the case's process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profile sees the worker: seconds (profiler on) and
+  the 30 costliest functions by own and by cumulative time.
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -153,6 +157,27 @@ def _timed(fn, repeats: int, snap=None) -> dict:
     return out
 
 
+def _profiled(fn) -> dict:
+    """A warm-up call, then one call under cProfile: its seconds (with the profiler on) and the 30
+    costliest functions by own time and by cumulative time, one line each."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    pr = cProfile.Profile()
+    t = time.perf_counter()
+    pr.enable()
+    fn()
+    pr.disable()
+    out = {"median": time.perf_counter() - t}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(30)
+        out[key] = [ln.rstrip() for ln in buf.getvalue().splitlines() if ln.strip()][-31:]
+    return out
+
+
 def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: dict) -> dict:
     import torch
 
@@ -235,13 +260,15 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         res[name + "_moved"] = float((run.resid[0].float() - clean.resid[0].float()).abs().max())
         model.close()
         return res
-    if name in ("nv_trace", "nv_trace_nopieces"):
+    if name in ("nv_trace", "nv_trace_nopieces", "nv_trace_profile"):
         # An nnsight trace reading every block's output at every step, one invoke per prompt (as the
         # nnsight_taps case), on the in-process graph engine: with the graph pieces (the default) or
         # with them off (NNVLLM_TRACE_PIECES=0: every traced step eager); beside nv.generate keeping
         # the same (every block's output at every position, no logits) on the same engine.
         if name == "nv_trace_nopieces":
             os.environ["NNVLLM_TRACE_PIECES"] = "0"
+        if name == "nv_trace_profile":  # the engine core in this process, so cProfile sees the worker too
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import nnvllm as nv
 
         model = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=gpu_util)
@@ -267,6 +294,13 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                             steps.append(model.logits.argmax(-1))
             return steps
 
+        if name == "nv_trace_profile":  # 8 prompts: nv.generate, the trace, the logits-only trace
+            for label, fn in (("generate", lambda: nv.generate(model, ps[:8], max_tokens=T, ignore_eos=True,
+                                                                logits=False)),
+                              ("trace", lambda: trace_run(8)), ("logits_only", lambda: logits_run(8))):
+                res[f"{name}_8_{label}"] = _profiled(fn)
+            model.close()
+            return res
         # nnsight runs one worker per invoke, in Python, at every location it reads: its cost grows with
         # the prompts, the forward's does not; so batches of 1 and 8 prompts (and --prompts, once).
         for k in (1, 8):
@@ -426,6 +460,8 @@ def main() -> None:
                         out.setdefault("all", {})[k] = v["all"]
                         if "per_call" in v:
                             out.setdefault("per_call", {})[k] = v["per_call"]
+                    if isinstance(v, dict) and "tottime" in v:  # a profiled call (nv_trace_profile)
+                        out.setdefault("profiles", {})[k] = {key: v[key] for key in ("tottime", "cumulative")}
             else:
                 out["errors"][c] = (p.stderr or p.stdout)[-3000:]
         except subprocess.TimeoutExpired as e:

@@ -27,6 +27,7 @@
 #                steer               capture_gpu.py, steering cost on the graph and the eager engine
 #                trace               capture_gpu.py, an nnsight trace of every block's output against nv.generate
 #                                    (1, 8, 64 prompts; docs/capture.md, "nnsight traces on a graph engine")
+#                trace_profile       capture_gpu.py, the 8-prompt trace under cProfile, worker included
 #                defaults            capture_gpu.py, nv.load's defaults against bare vLLM, 12 calls each
 #                                    (docs/capture.md, "What it costs")
 #                fp32                fp32_gpu.py, where fp32 vLLM differs from transformers, layer by layer
@@ -215,6 +216,8 @@ bench() {
                --timeout 200 --root $root --cases nv_steer,nv_steer_eager ;;
       trace) bench_item "$item" $c --name llama1b_trace_seams --shape llama1b --prompts 64 --tokens 128 --repeats 3 \
                --timeout 230 --root $root --cases nv_trace ;;
+      trace_profile) bench_item "$item" $c --name llama1b_trace_profile --shape llama1b --prompts 64 --tokens 128 \
+                       --timeout 230 --root $root --cases nv_trace_profile ;;
       defaults) bench_item "$item" $c --name llama1b_defaults --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
                   --timeout 140 --root $root --cases bare_graphs,nv_graphs,nv_graphs_nopieces,nv_default,bare_nocompile ;;
       fp32) bench_item "$item" "$PY" benchmarks/fp32_gpu.py --jobs 4 --timeout 200 ;;
