@@ -134,8 +134,11 @@ def test_explorers_answer_after_run_all(lab):
             "sel => { const e = document.querySelector(sel); return e && /^done: /.test(e.innerText.trim()); }",
             arg=".jp-Notebook .nnvllm-live-status", timeout=120_000, polling=200)
         browser.click_button(page, "nnvllm-live", "Replay")
+        # The replay's own "generating" first: the last run's "done: " is still shown until the kernel
+        # takes the click, and would otherwise satisfy the wait for the replay's end at once. The
+        # replay takes at least 6 steps x pace 0.1 s, so a 100 ms poll sees it generating.
         page.wait_for_function(
-            "sel => { const e = document.querySelector(sel); return e && /^(generating|done: )/.test(e.innerText.trim())"
+            "sel => { const e = document.querySelector(sel); return e && /^generating/.test(e.innerText.trim())"
             " && !document.querySelector('.jp-Notebook .nnvllm-live .nnvllm-error')?.innerText.trim(); }",
             arg=".jp-Notebook .nnvllm-live-status", timeout=60_000, polling=100)
         page.wait_for_function(
