@@ -83,6 +83,17 @@ def test_the_gpu_cost_tables_in_docs_capture_are_their_recorded_runs():
         med = statistics.median(every[case])
         assert (round(min(every[case]) / med, 2), round(max(every[case]) / med, 2)) == (lo, hi), case
         assert f"{lo:.2f}x to {hi:.2f}x" in " ".join(doc.split()), case
+    # The GPT-2-small table and its spreads.
+    tool = subprocess.run([sys.executable, str(root / "benchmarks" / "capture_gpu.py"), "--table", "gpt2s",
+                           "--out", str(results)], capture_output=True, text=True, check=True).stdout
+    rendered = {r[0].strip("`"): r[1:] for r in _md_rows(tool, "x bare_graphs")}
+    cases = ["bare_graphs", "nv_default", "nv_default_tokens", "nv_graphs", "nv_graphs_tokens", "nv_graphs_bare"]
+    assert [r[1:] for r in _md_rows(doc, "run\n`gpt2s`")] == [rendered[c] for c in cases], rendered
+    every = runs["gpt2s"]["all"]
+    for case, lo, hi in (("nv_default", 0.94, 1.09), ("bare_graphs", 0.81, 1.22)):
+        med = statistics.median(every[case])
+        assert (round(min(every[case]) / med, 2), round(max(every[case]) / med, 2)) == (lo, hi), case
+        assert f"{lo:.2f}x to {hi:.2f}x" in " ".join(doc.split()), case
     # The trace table: each cell is its case's seconds (and its ratio to nv.generate).
     s = runs["llama1b_trace_seams"]["seconds"]
     rows = _md_rows(doc, "--cases nv_trace`")
