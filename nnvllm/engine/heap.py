@@ -41,9 +41,11 @@ def _start_collections(mode: str):
     vLLM's full collections freezes what survives it (``gc.freeze``), so the next one walks only what
     the start made since: the same garbage is freed (what the start makes and drops, vLLM's reason
     for collecting), and the heap ends frozen, as vLLM leaves it at the end of a start anyway (and
-    unfreezes at shutdown). Where the EngineCore runs elsewhere, nothing is frozen here, and a
-    process forked during the start (vLLM's EngineCore: the GPU, the isolated server) gets collection
-    back at once, its inherited heap frozen (vLLM freezes it at the end of the EngineCore's start).
+    unfreezes at shutdown). Where the EngineCore runs elsewhere, the full collections asked for here
+    are skipped (nnsight's meta tree, built through vLLM's model loader, asks for two: passes over the
+    whole heap that free no engine memory), nothing is frozen here, and a process forked during the
+    start (vLLM's EngineCore: the GPU, the isolated server) gets collection back at once, its
+    inherited heap frozen (vLLM freezes it at the end of the EngineCore's start).
     A heap someone else froze is not frozen further; after a failed start a heap frozen here is
     unfrozen again.
     """
@@ -51,8 +53,14 @@ def _start_collections(mode: str):
     real, enabled, frozen = gc.collect, gc.isenabled(), gc.get_freeze_count()
 
     def collect(generation: int = 2) -> int:
+        core_here = _core_in_this_process(mode)
+        if generation == 2 and not core_here:
+            # vLLM's collections that free its memory run where its EngineCore is; here a full pass
+            # (nnsight builds its meta tree through vLLM's model loader, which collects twice) would
+            # walk the whole heap for nothing. Automatic collection frees the start's garbage after it.
+            return 0
         n = real(generation)
-        if generation == 2 and not frozen and _core_in_this_process(mode):
+        if generation == 2 and not frozen:
             gc.freeze()
         return n
 
