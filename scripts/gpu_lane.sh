@@ -9,7 +9,9 @@
 #              install each part of the staged bundle carried under .gpu/ (GPU_PARTS=N, the part
 #              count bundle.sh printed: `GPU_PARTS=25 bash scripts/gpu_lane.sh setup`, one part per
 #              command, carry [".gpu/K", ".gpu/setup.sh", ".gpu/sha256"]); the last part writes
-#              /root/nnvllm-gpu.env, which every stage sources. Elsewhere: `make setup` where python3
+#              /root/nnvllm-gpu.env, which every stage sources. The suite and notebooks need what
+#              the image lacks beside vLLM: `bash ../shared/gpu/bundle.sh .gpu ipywidgets nbmake
+#              ipykernel ruff` (ruff: tests/test_lint.py). Elsewhere: `make setup` where python3
 #              cannot import vllm and nnsight.
 #   suite      the test suite at TP=1: pytest with WORKERS xdist workers (default 8) on one GPU, each
 #              test engine with a fixed 1 GiB KV cache, so that many share the GPU
@@ -135,11 +137,12 @@ run_logged() {  # name, then the command; its log is LOGS/<name>.txt
   { header; echo "# command: $*"; } > "$log"
   t0=$(date +%s)
   if [ -n "${STAGE_TIMEOUT:-}" ]; then
-    timeout -k 30 "$STAGE_TIMEOUT" "$@" >> "$log" 2>&1; rc=$?
+    # SIGINT first: pytest stopped that way still prints its summary (failures, --durations).
+    timeout -s INT -k 45 "$STAGE_TIMEOUT" "$@" >> "$log" 2>&1; rc=$?
   else
     "$@" >> "$log" 2>&1; rc=$?
   fi
-  echo "# exit $rc after $(( $(date +%s) - t0 ))s" >> "$log"
+  printf '\n# exit %s after %ss\n' "$rc" "$(( $(date +%s) - t0 ))" >> "$log"  # on a line of its own
   tail -n 3 "$log"
   note "$name" "$rc" "$(( $(date +%s) - t0 ))"
   return "$rc"
@@ -168,7 +171,7 @@ suite() {
     [ -n "$tests" ] || { echo "suite: SPLIT=$SPLIT selects no files" >&2; note suite 2 0; return; }
   fi
   run_logged suite "${TEST_ENV[@]}" NNVLLM_FIDELITY_JSON="$LOGS/fidelity_suite.json" \
-    "$PY" -m pytest -q -ra -o faulthandler_timeout="${FAULT_TIMEOUT:-180}" $(xdist WORKERS 8 --dist loadfile) \
+    "$PY" -m pytest -q -ra --durations=30 -o faulthandler_timeout="${FAULT_TIMEOUT:-180}" $(xdist WORKERS 8 --dist loadfile) \
     ${PYTEST_ARGS:-} $tests --tp 1
 }
 
