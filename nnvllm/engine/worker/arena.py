@@ -190,6 +190,8 @@ class _Capture:
             self.last_ids = list(ids)
             self.stats["batch_changes"] += 1
             self.tab = np.array([[e[0], e[1], e[3], e[4]] for e in ents], dtype=np.int64)
+            self.arenas_here = np.unique(self.tab[:, 0])
+            self.on_device = None  # the batch's columns on the device, made at its first decode step
         counts = np.diff(qsl)
         tok_req = np.repeat(np.arange(n), counts)
         # Bookkeeping the tests read (host-side numbers only): rows placed, prompt chunks seen.
@@ -212,7 +214,13 @@ class _Capture:
                 src = buf[:, :ntok]
             return src
 
-        arenas_here = np.unique(self.tab[:, 0])
+        arenas_here = self.arenas_here
+        if ntok == n and len(arenas_here) == 1:
+            # A decode step (one token per request) of a batch in one arena: its destinations are
+            # the batch's columns plus the positions, from columns kept on the device while the batch
+            # stays; no host-to-device copy in the step.
+            self._decode_step(runner, n, pos, source)
+            return
         for k in arenas_here:
             arena = self.arenas[int(k)]
             in_k = self.tab[:, 0] == k
@@ -250,6 +258,32 @@ class _Capture:
                                torch.full_like(ldst, arena["_logits"].shape[0] - 1))
             rows = lg[:n] if len(arenas_here) == 1 else lg[_to(torch.from_numpy(req_sel), dev)]
             arena["_logits"].index_copy_(0, ldst, rows.to(arena["_logits"].dtype))
+
+    def _decode_step(self, runner, n, pos, source) -> None:
+        dev = self.taps.device
+        if self.on_device is None:
+            tab = self.tab
+            cols = np.stack([tab[:, 1], tab[:, 2] - (tab[:, 3] - 1), tab[:, 3] - 1])
+            self.on_device = _to(torch.from_numpy(cols), dev)
+        off, lbase, last_prompt = self.on_device
+        arena = self.arenas[int(self.arenas_here[0])]
+        dst = off + pos
+        if self.features:
+            h0 = time.perf_counter()
+            self.features.stage(source, dst, int(self.arenas_here[0]), self.arenas, None)
+            self.timings["sae_host"] = self.timings.get("sae_host", 0.0) + time.perf_counter() - h0
+        for s in self.sites:
+            src = source(s)
+            if self.layer_idx is not None:
+                src = src.index_select(0, self.layer_idx)
+            arena[s].index_copy_(1, dst, src)
+        lg = runner.execute_model_state.logits if runner.execute_model_state is not None else None
+        if lg is None or arena["_logits"].shape[1] == 1:
+            return
+        # Each request's one token is its last: its logits row, or the spare last row while a
+        # prompt is still being prefilled a token at a time.
+        ldst = torch.where(pos >= last_prompt, lbase + pos, arena["_logits"].shape[0] - 1)
+        arena["_logits"].index_copy_(0, ldst, lg[:n].to(arena["_logits"].dtype))
 
     def _flush(self) -> None:
         """Encode the SAEs' staged rows (before anything reads the arena). Fails the capture alone, as
