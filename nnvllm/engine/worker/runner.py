@@ -125,6 +125,7 @@ class CaptureWorker:
         cap = _Capture(runner._nnvllm_taps, spec)
         cap.check_memory()
         runner._nnvllm_taps.arm_edits(spec.get("edits") or [])
+        runner._nnvllm_taps.wanted = set(cap.sites) | set(cap.features.sites)
         runner._nnvllm_taps.active = True
         runner._nnvllm_capture = cap
 

@@ -49,6 +49,7 @@ class _Taps:
         self.tp = get_tensor_model_parallel_world_size()
         self.rank = get_tensor_model_parallel_rank()
         self.active = False  # a capture is armed (eager hooks record only then)
+        self.wanted: set[str] | None = None  # the sites the armed capture reads (None: every site)
         self.fired: dict[str, torch.Tensor] = {}  # site -> the buffer eager hooks wrote this step
         self.static: dict[str, torch.Tensor] = {}
         self.eager: dict[str, torch.Tensor] = {}
@@ -279,8 +280,8 @@ class _Taps:
 
     def _write(self, site: str, j: int, x: torch.Tensor, residual: torch.Tensor | None = None) -> None:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not (capturing or self.active):
-            return
+        if not capturing and (not self.active or (self.wanted is not None and site not in self.wanted)):
+            return  # an eager step copies only what the armed capture reads
         n = x.shape[0]
         if capturing and site not in self.static:
             return  # not recorded in graphs: a capture that wants it runs eagerly
