@@ -335,8 +335,9 @@ def dtype(value: Any, name: str = "dtype") -> Any:
 def engine_args(args: dict) -> dict:
     """Check the engine arguments :func:`nnvllm.load` knows the rules of; return them normalised.
 
-    Only ``dtype``, ``max_model_len``, ``tensor_parallel_size``, ``exact`` and ``cuda_graphs`` are checked here (a bad one failed
-    deep inside vLLM's start, or not at all); every other argument goes to vLLM as given.
+    Only ``dtype``, ``max_model_len``, ``tensor_parallel_size``, ``exact``, ``cuda_graphs``, ``seed``,
+    ``kv_cache_memory_bytes`` and ``compilation_config`` are checked here (a bad one failed deep inside
+    vLLM's start, or not at all); every other argument goes to vLLM as given.
     """
     out = dict(args)
     if "dtype" in out:
@@ -360,7 +361,38 @@ def engine_args(args: dict) -> dict:
         out["seed"] = rng_seed(out["seed"])
     if out.get("kv_cache_memory_bytes") is not None:
         out["kv_cache_memory_bytes"] = parse_bytes(out["kv_cache_memory_bytes"], "kv_cache_memory_bytes")
+    if out.get("compilation_config") is not None:
+        out["compilation_config"] = compilation_config(out["compilation_config"])
     return out
+
+
+def compilation_config(cc: Any) -> dict:
+    """Refuse a ``compilation_config`` that turns torch.compile on: nnvllm's engine runs the model
+    uncompiled (the mode, however spelt, is left to nnvllm: returned without it). A compiled forward is traced once, before any capture is armed, with the taps'
+    hooks doing nothing then, and vLLM keeps no guard that would trace it again: every capture
+    would read buffers nothing writes. Its other keys (``cudagraph_capture_sizes``,
+    ``max_cudagraph_capture_size``, ...) go to vLLM."""
+    if not isinstance(cc, dict):
+        raise TypeError(f"compilation_config={cc!r}: expected a dict of vLLM's compilation settings "
+                        "(nnvllm sets its mode and cudagraph_mode)")
+    for key in ("mode", "level"):  # ("level": vLLM's older name for the mode)
+        v = cc.get(key)
+        if v is None:
+            continue
+        name = getattr(v, "name", v)
+        off = str(name).strip().upper() in ("NONE", "NO_COMPILATION", "0")
+        if not off and not isinstance(v, (str, bool)):
+            try:
+                off = int(v) == 0
+            except (TypeError, ValueError):
+                off = False
+        if not off:
+            raise ValueError(
+                f"compilation_config={{{key!r}: {v!r}}} turns torch.compile on, and nnvllm's engine runs the "
+                "model uncompiled: a compiled forward leaves out the hooks that record and edit activations, "
+                f"so captures would read nothing. Leave {key!r} out of compilation_config (its other keys "
+                "go to vLLM); on a GPU the engine still replays CUDA graphs (cuda_graphs=True).")
+    return {k: v for k, v in cc.items() if k not in ("mode", "level")}
 
 
 # Config keys vLLM reads a model's context length from (the smallest one present wins).

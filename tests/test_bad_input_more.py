@@ -123,6 +123,15 @@ LOAD_ROWS = [
     ("kv_cache_memory_bytes='lots'", None, {"kv_cache_memory_bytes": "lots"}, ValueError,
      ["kv_cache_memory_bytes='lots'", "'1.5GiB'"]),
     ("kv_cache_memory_bytes=1.5", None, {"kv_cache_memory_bytes": 1.5}, TypeError, ["kv_cache_memory_bytes=1.5"]),
+    ("compilation_config mode=3", None, {"compilation_config": {"mode": 3}}, ValueError,
+     ["compilation_config={'mode': 3}", "torch.compile", "Leave 'mode' out"]),
+    ("compilation_config mode='VLLM_COMPILE', isolated", None,
+     {"compilation_config": {"mode": "VLLM_COMPILE"}, "isolate": True}, ValueError,
+     ["compilation_config={'mode': 'VLLM_COMPILE'}"]),
+    ("compilation_config level=3", None, {"compilation_config": {"level": 3}}, ValueError,
+     ["compilation_config={'level': 3}", "Leave 'level' out"]),
+    ("compilation_config='x'", None, {"compilation_config": "x"}, TypeError,
+     ["compilation_config='x'", "expected a dict"]),
 ]
 
 
@@ -153,6 +162,9 @@ VALID_LOADS = [
     ("exact=True, dtype=float32", None, {"exact": True, "dtype": "float32"}),
     ("seed=7, max_model_len=the context", None, {"seed": 7, "max_model_len": TOY_CONTEXT}),
     ("kv_cache_memory_bytes=256 MiB", None, {"kv_cache_memory_bytes": 256 << 20}),
+    ("compilation_config without compile", None,
+     {"compilation_config": {"mode": 0, "max_cudagraph_capture_size": 8}}),
+    ("compilation_config mode='NONE'", None, {"compilation_config": {"mode": "NONE"}}),
 ]
 
 
@@ -239,7 +251,9 @@ def test_valid_load_passes_the_checks(no_engine, tmp_path, row):
         nv.load(model, **kwargs)
     (_, args), = no_engine
     for k, v in kwargs.items():
-        if k != "isolate":
+        if k == "compilation_config":  # the mode is nnvllm's to set: the rest goes on without it
+            assert args[k] == {c: x for c, x in v.items() if c != "mode"}
+        elif k != "isolate":
             assert args[k] == v and type(args[k]) is (int if k == "tensor_parallel_size" else type(v))  # normalised
 
 
