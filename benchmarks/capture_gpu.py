@@ -35,6 +35,8 @@ batch, then the median of ``--repeats``):
 - ``nv_graphs_nopieces``: ``nv_graphs`` with ``NNVLLM_TRACE_PIECES=0`` (whole graphs only, not also in
   pieces for traces): what recording the pieces costs ``nv.generate``. Every ``nv_*`` case also
   records ``<case>_load``, the seconds ``nv.load`` took (engine start and graph recording).
+- ``<nv case>_residgraphs``: the same with ``NNVLLM_GRAPH_SITES=resid`` (the graphs record the
+  residual stream's copies only): what recording every site's copies costs each replayed step.
 - ``nv_default``: ``nv.load(path, dtype="float16")`` and nothing else: what a researcher gets
   (on a GPU: an isolated engine with CUDA graphs).
 - ``nv_isolated``: ``nv.generate`` on an isolated engine (``isolate=True``, graphs on).
@@ -205,16 +207,21 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             os.environ["NNVLLM_HANDOVER"] = mode  # inherited by the engine's processes
         if name.endswith("_nopieces"):
             os.environ["NNVLLM_TRACE_PIECES"] = "0"  # whole graphs only (as before graph pieces)
+        if name.endswith("_residgraphs"):
+            os.environ["NNVLLM_GRAPH_SITES"] = "resid"  # the graphs copy the residual stream only
+            name_kw = name.removesuffix("_residgraphs")
+        else:
+            name_kw = name
         import nnvllm as nv
         from nnvllm import capture
         from vllm import SamplingParams
 
-        kw = {} if name == "nv_default" else {"cuda_graphs": "eager" not in name}
+        kw = {} if name_kw == "nv_default" else {"cuda_graphs": "eager" not in name}
         dtype = "float16"
         if name.startswith("nv_fp32"):  # fp32 weights, with and without exact=True (full-precision attention)
             dtype, kw["exact"] = "float32", name == "nv_fp32_exact"
         t = time.perf_counter()
-        if name == "nv_default":
+        if name_kw == "nv_default":
             model = nv.load(path, dtype=dtype, gpu_memory_utilization=gpu_util)
         else:
             model = nv.load(path, isolate=name.startswith("nv_isolated"), dtype=dtype,

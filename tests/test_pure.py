@@ -1030,3 +1030,15 @@ def test_the_eager_steps_notice_is_one_line_naming_why_and_how_many():
     notice = eager_notice([{"a": (why, 4), "b": (why, 5)}, {"a": (why, 4)}])
     assert notice.startswith("nnvllm: 5 decode step(s) of this trace ran eagerly on the CUDA graph engine: " + why)
     assert "\n" not in notice and "docs/capture.md" in notice
+
+
+def test_graph_sites_names_what_the_cuda_graphs_record():
+    """NNVLLM_GRAPH_SITES (read by a GPU engine's worker at load): unset, every site; else the named
+    subset in table order; a name the model lacks is refused with what it offers."""
+    from nnvllm.engine.worker.taps import graph_sites
+
+    sites = ["resid", "attn_out", "mlp_out", "q", "k", "v", "z"]
+    assert graph_sites(None, sites) == sites and graph_sites(" ", sites) == sites
+    assert graph_sites("z, resid", sites) == ["resid", "z"]
+    with pytest.raises(ValueError, match=r"NNVLLM_GRAPH_SITES='resid,heads' names \['heads'\].*subset of"):
+        graph_sites("resid,heads", sites)

@@ -38,6 +38,21 @@ _BACKEND: dict[int, tuple] = {}
 STATIC_BUDGET = int(os.environ.get("NNVLLM_STATIC_BUDGET", 2 << 30))
 
 
+def graph_sites(value: str | None, sites: list[str]) -> list[str]:
+    """The sites whose copies the CUDA graphs record, in table order: ``NNVLLM_GRAPH_SITES``
+    (comma-separated, e.g. ``resid``) or, unset, every site. Each recorded site costs every replayed
+    step one copy per block, read or not; a site left out is captured by running the steps that ask
+    for it eagerly."""
+    if value is None or not value.strip():
+        return list(sites)
+    named = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [v for v in named if v not in sites]
+    if unknown:
+        raise ValueError(f"NNVLLM_GRAPH_SITES={value!r} names {unknown}, which this model does not offer; "
+                         f"expected a comma-separated subset of {list(sites)}, or leave it unset for every site")
+    return [s for s in sites if s in named]
+
+
 class _Taps:
     """The permanent hooks of one model and their static buffers (one per site: ``[layer, cap, width]``)."""
 
@@ -324,12 +339,13 @@ class _Taps:
         return hook
 
     def allocate_static(self, widths: dict[str, int]) -> None:
-        """Static buffers for graph replay, as many sites as fit in :data:`STATIC_BUDGET`."""
+        """Static buffers for graph replay: of the sites :func:`graph_sites` names, as many as fit in
+        :data:`STATIC_BUDGET`."""
         if self.cap <= 0:
             return
         item = torch.empty((), dtype=self.dtype).element_size()
         used = 0
-        for site in self.sites:  # in table order: resid first
+        for site in graph_sites(os.environ.get("NNVLLM_GRAPH_SITES"), self.sites):  # in table order: resid first
             w = widths.get(site)
             if w is None:
                 continue
