@@ -367,10 +367,11 @@ def engine_args(args: dict) -> dict:
 
 
 def compilation_config(cc: Any) -> dict:
-    """Refuse a ``compilation_config`` that turns torch.compile on: nnvllm's engine runs the model
-    uncompiled (the mode, however spelt, is left to nnvllm: returned without it). A compiled forward is traced once, before any capture is armed, with the taps'
-    hooks doing nothing then, and vLLM keeps no guard that would trace it again: every capture
-    would read buffers nothing writes. Its other keys (``cudagraph_capture_sizes``,
+    """Refuse a ``compilation_config`` that turns torch.compile on, and return it without its mode
+    (nnvllm sets that): nnvllm's engine runs the model uncompiled. A compiled forward is traced
+    once, before any capture is armed, when the taps' hooks do nothing, and vLLM drops Dynamo's
+    guards (``TorchCompileWithNoGuardsWrapper``), so nothing traces it again: every capture would
+    read buffers nothing writes. The other keys (``cudagraph_capture_sizes``,
     ``max_cudagraph_capture_size``, ...) go to vLLM."""
     if not isinstance(cc, dict):
         raise TypeError(f"compilation_config={cc!r}: expected a dict of vLLM's compilation settings "
