@@ -193,7 +193,6 @@ class _Capture:
             self.arenas_here = np.unique(self.tab[:, 0])
             self.on_device = None  # the batch's columns on the device, made at its first decode step
         counts = np.diff(qsl)
-        tok_req = np.repeat(np.arange(n), counts)
         # Bookkeeping the tests read (host-side numbers only): rows placed, prompt chunks seen.
         self.stats["rows"] += ntok
         self.stats["steps"] += 1
@@ -221,6 +220,7 @@ class _Capture:
             # stays; no host-to-device copy in the step.
             self._decode_step(runner, n, pos, source)
             return
+        tok_req = np.repeat(np.arange(n), counts)  # each token's request
         for k in arenas_here:
             arena = self.arenas[int(k)]
             in_k = self.tab[:, 0] == k
