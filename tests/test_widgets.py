@@ -554,7 +554,9 @@ def test_live_generation_streams_and_stops(toy):
     done.replay_button.click()  # the same generation again, shown from the start
     again = done.wait(60)
     assert again is not first and again.tokens == first.tokens and done.replays == 1
-    assert done.status.value == "done: 3 token(s)" and len(done.steps) >= 1 and done.last_error is None
+    assert done.status.value == "done: 3 token(s), replay 1" and len(done.steps) >= 1 and done.last_error is None
+    done.replay()
+    assert done.wait(60).tokens == first.tokens and done.status.value == "done: 3 token(s), replay 2"
     with pytest.raises(ValueError, match="pace"):
         LiveGeneration(toy, "x", pace=-1)
 

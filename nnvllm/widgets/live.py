@@ -21,7 +21,9 @@ class LiveGeneration(_Explorer):
     The generation runs in a background thread (:func:`nnvllm.stream`), so the notebook, and the
     Stop button, stay responsive; call nothing else on the same engine until it is done
     (``.wait()``). ``pace`` (seconds) waits between steps, to watch a fast model. Replay on a closed
-    engine says "engine closed" in the status and the error area, and changes nothing else. State
+    engine says "engine closed" in the status and the error area, and changes nothing else. A
+    replay's closing status names it ("done: 6 token(s), replay 2"), so a replay that produced the
+    same tokens still reads differently from the run before it. State
     for tests: ``.steps`` (the :class:`~nnvllm.Step` s), ``.text.value``, ``.panel.value``,
     ``.status.value``, ``.run``, ``.stop_button``, ``.replay_button``, ``.replays``.
 
@@ -62,7 +64,7 @@ class LiveGeneration(_Explorer):
         self._thread = None
         self._start()  # a bad argument or a closed engine raises here, in the cell that made the widget
 
-    def _start(self) -> None:
+    def _start(self, replay: int = 0) -> None:
         import threading
 
         from ..streaming import stream
@@ -76,7 +78,7 @@ class LiveGeneration(_Explorer):
         self._generated: list[str] = []
         self.text.value, self.panel.value, self.status.value = tok_html(self.prompt_text), "", "generating"
         self.stop_button.disabled, self.replay_button.disabled = False, True
-        self._thread = threading.Thread(target=self._drive, name="nnvllm-live", daemon=True)
+        self._thread = threading.Thread(target=self._drive, args=(replay,), name="nnvllm-live", daemon=True)
         self._thread.start()
 
     @property
@@ -97,7 +99,7 @@ class LiveGeneration(_Explorer):
             return  # the button is disabled while generating; a call from code waits its turn
         try:
             _check_open(self.model)
-            self._start()
+            self._start(replay=self.replays + 1)
         except Exception as e:  # noqa: BLE001 - shown in the widget, kept in .last_error
             self.last_error = e
             self.error.value = error_html(e, with_traceback=not isinstance(e, EngineClosed))
@@ -111,7 +113,7 @@ class LiveGeneration(_Explorer):
         self._thread.join(timeout)
         return self.run
 
-    def _drive(self) -> None:
+    def _drive(self, replay: int) -> None:
         import time
 
         tok = getattr(self.model, "tokenizer", None)
@@ -131,7 +133,9 @@ class LiveGeneration(_Explorer):
                 if self.pace:
                     time.sleep(self.pace)
             n = len(self.run.tokens[0])
-            self.status.value = (f"stopped after {n} token(s)" if self.stream.stopped else f"done: {n} token(s)")
+            ended = f"stopped after {n} token(s)" if self.stream.stopped else f"done: {n} token(s)"
+            # the thread, not replay(), names the replay: it has its number before its first step
+            self.status.value = ended + (f", replay {replay}" if replay else "")
         except Exception as e:  # noqa: BLE001 - shown in the widget, kept in .last_error
             self.last_error = e
             self.error.value = error_html(e)
