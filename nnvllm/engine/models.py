@@ -424,7 +424,26 @@ def _buildmodel_classes():
             return AsyncLLM.from_engine_args(args)
 
     class CPUModel(_Mixin, CPUVLLM):
-        pass
+        # NNVLLM_COMPILE=1: vLLM's CPU backend traces the forward with torch.compile (nnsight runs it
+        # eagerly); the taps are inside the compiled forward as opaque ops (engine.worker.taps).
+        def _load_sync(self, repo_id: str, **kwargs: Any):
+            if not compile_forward():
+                return super()._load_sync(repo_id, **kwargs)
+            from nnsight.modeling.vllm.engines.engine import NNsightLLMEngine
+            from vllm import LLM
+
+            llm = LLM(repo_id, worker_cls=self._WORKER_CLS, **_compile_args(kwargs))
+            llm.llm_engine.__class__ = NNsightLLMEngine
+            return llm
+
+        def _load_async(self, repo_id: str, **kwargs: Any):
+            if not compile_forward():
+                return super()._load_async(repo_id, **kwargs)
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            return AsyncLLM.from_engine_args(
+                AsyncEngineArgs(model=repo_id, worker_cls=self._WORKER_CLS, **_compile_args(kwargs)))
 
     return GPUModel, CPUModel
 
@@ -449,6 +468,32 @@ def _switch(name: str) -> bool:
     if v not in ("0", "1", "true", "false", ""):
         raise ValueError(f"{name}={v!r}; expected 1 or 0")
     return v in ("1", "true", "")
+
+
+def compile_forward() -> bool:
+    """Whether nnvllm's engines run the model's forward through vLLM's torch.compile, with the taps
+    inside the compiled code as opaque ops: ``NNVLLM_COMPILE=1`` (read where the engine starts; off
+    unless set). A step that carries nnsight's work (a trace, ``model.edit``) runs the plain forward,
+    where nnsight's hooks are."""
+    v = os.environ.get("NNVLLM_COMPILE", "0").strip().lower()
+    if v not in ("0", "1", "true", "false", ""):
+        raise ValueError(f"NNVLLM_COMPILE={v!r}; expected 1 or 0")
+    on = v in ("1", "true")
+    if on:
+        # vLLM's ahead-of-time compile keys its cache on the forward's code object, and nnsight puts
+        # a callable object in place of each module's forward; the in-process compile needs no key.
+        os.environ["VLLM_USE_AOT_COMPILE"] = "0"
+    return on
+
+
+def _compile_args(kwargs: dict) -> dict:
+    """vLLM engine arguments for a compiled forward (vLLM's own default mode)."""
+    kwargs = dict(kwargs)
+    kwargs.pop("enforce_eager", None)
+    cc = kwargs.pop("compilation_config", None) or {}
+    if not isinstance(cc, dict):
+        raise TypeError("compilation_config= must be a dict for nnvllm's engine (it sets mode and cudagraph_mode)")
+    return {**kwargs, "enforce_eager": False, "compilation_config": {**cc, "mode": 3}}
 
 
 def default_cuda_graphs() -> bool:
@@ -493,5 +538,5 @@ def _graph_args(graphs: bool, kwargs: dict) -> dict:
     cc = kwargs.pop("compilation_config", None) or {}
     if not isinstance(cc, dict):
         raise TypeError("compilation_config= must be a dict for nnvllm's engine (it sets mode and cudagraph_mode)")
-    cc = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", **cc}
+    cc = {"mode": 3 if compile_forward() else 0, "cudagraph_mode": "FULL_DECODE_ONLY", **cc}
     return {**kwargs, "enforce_eager": False, "compilation_config": cc}

@@ -119,8 +119,13 @@ def _graphs_class(base: type) -> type:
             out = super().__call__(*args, **kwargs)
             if recording:
                 # The same inputs (vLLM's static buffers), recorded again in pieces; the whole graph's
-                # output is still held, so the pieces' memory does not overlap it.
-                self.nnvllm_pieces(*args, **kwargs)
+                # output is still held, so the pieces' memory does not overlap it. Under torch.compile
+                # the pieces are the plain forward, whose seams are nnsight's hooks.
+                skip, ctx.skip_compiled = ctx.skip_compiled, True
+                try:
+                    self.nnvllm_pieces(*args, **kwargs)
+                finally:
+                    ctx.skip_compiled = skip
             return out
 
         def nnvllm_has_pieces(self, descriptor: Any) -> bool:
@@ -139,6 +144,9 @@ class StepPlan:
         self.graphs: Any = None  # vLLM's full-graph wrapper, once it records pieces too
         self.modes: collections.Counter = collections.Counter()  # steps run per mode (nnvllm_step_modes)
         self.mode: str | None = None  # this step's
+        # The step carries nnsight's work (a trace, model.edit): under torch.compile its forward runs
+        # uncompiled, where nnsight's hooks are (see RecordingRunner._model_forward).
+        self.uncompiled = False
         self.before: dict[str, int] | None = None  # nnsight's visit counts before a traced step
         self.per_step: dict[str, int] = {}  # visits an eager step makes inside the forward, off the seams
         # Why traced decode steps ran eagerly on a graph engine, per request: {request id: [why, steps,
@@ -183,6 +191,8 @@ class StepPlan:
         """How the step about to run should run (before vLLM dispatches it). A decode step that a
         trace makes eager on a graph engine is noted for the trace's requests (:meth:`take_notes`)."""
         mode, why = self._choose()
+        reqs = getattr(self.runner, "nnsight_requests", None)
+        self.uncompiled = reqs is not None and bool(reqs.templates or self.runner.nnsight_model.interleaver.mediators)
         if mode == EAGER and why is not None and decode and self.graph_engine:
             self._note(why)
         return mode

@@ -48,7 +48,7 @@ class RecordingRunner:
             sizes = getattr(self, "cudagraph_batch_sizes", None) or []
             cap = max(sizes) if sizes else int(
                 getattr(self.compilation_config, "max_cudagraph_capture_size", 0) or 0)
-        taps = _Taps(self, arch, cap)
+        taps = _Taps(self, arch, cap, compiled=compiled(self))
         taps.widths = _site_widths(self.get_model(), arch, taps.tp)
         if cap:
             taps.allocate_static(taps.widths)
@@ -77,6 +77,16 @@ class RecordingRunner:
         plan.start(out[0], out[1])
         return out
 
+    def _model_forward(self, *args, **kwargs):
+        plan, taps = getattr(self, "_nnvllm_plan", None), getattr(self, "_nnvllm_taps", None)
+        if plan is not None and taps is not None and taps.compiled:
+            plan.modes["plain" if plan.uncompiled else "compiled"] += 1
+            if plan.uncompiled:
+                from vllm.forward_context import get_forward_context
+
+                get_forward_context().skip_compiled = True  # nnsight's hooks run only in the plain forward
+        return super()._model_forward(*args, **kwargs)
+
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         taps = getattr(self, "_nnvllm_taps", None)
         cap = getattr(self, "_nnvllm_capture", None)
@@ -90,6 +100,13 @@ class RecordingRunner:
         if cap is not None and out is None:
             cap.step(self)
         return out
+
+
+def compiled(runner: Any) -> bool:
+    """Whether vLLM runs this runner's forward through torch.compile (``NNVLLM_COMPILE=1``)."""
+    from vllm.config import CompilationMode
+
+    return not runner.model_config.enforce_eager and runner.compilation_config.mode != CompilationMode.NONE
 
 
 def _decode_step(runner: Any, args: tuple, kwargs: dict) -> bool:
@@ -160,7 +177,9 @@ class CaptureWorker:
     def nnvllm_step_modes(self, reset: bool = False) -> dict:
         """How many engine steps ran as whole CUDA graphs, as graphs in pieces (an nnsight trace served
         at the blocks' outputs) and eagerly, since the engine started or the last ``reset``; and whether
-        the decode graphs are recorded in pieces too (:mod:`.pieces`)."""
+        the decode graphs are recorded in pieces too (:mod:`.pieces`). Under ``NNVLLM_COMPILE=1`` also
+        how many forwards ran the compiled code (``compiled``) and the plain forward (``plain``: steps
+        carrying nnsight's work)."""
         plan = getattr(self.model_runner, "_nnvllm_plan", None)
         if plan is None:
             return {"pieces_recorded": False}

@@ -56,11 +56,14 @@ def graph_sites(value: str | None, sites: list[str]) -> list[str]:
 class _Taps:
     """The permanent hooks of one model and their static buffers (one per site: ``[layer, cap, width]``)."""
 
-    def __init__(self, runner: Any, arch: dict, cap: int) -> None:
+    def __init__(self, runner: Any, arch: dict, cap: int, compiled: bool = False) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         self.runner = runner
         self.arch = arch
+        # Under vLLM's torch.compile the hooks are traced into the compiled forward: each calls one of
+        # nnvllm's opaque ops (tap, tap_qkv), whose Python runs at every call of the compiled code.
+        self.compiled = compiled
         self.tp = get_tensor_model_parallel_world_size()
         self.rank = get_tensor_model_parallel_rank()
         self.active = False  # a capture is armed (eager hooks record only then)
@@ -99,11 +102,15 @@ class _Taps:
     # ---- per-head sites
     def _install_heads(self, blocks) -> None:
         h = self.heads
+        self.qkv_keys: dict[int, int] = {}
         for j in range(self.n_layers):
             core = blocks[j].get_submodule(h["core"])
             if h.get("backend"):
                 _backend_attention()
                 _BACKEND[id(blocks[j].get_submodule(h["core"].rsplit(".", 1)[0]))] = (self, j)
+                if self.compiled:
+                    _ops()  # registered before any forward is traced
+                    self.qkv_keys[j] = _register(lambda q, k, v, j=j: self.write_qkv(j, q, k, v))
             else:
                 self.handles.append(core.register_forward_pre_hook(self._qkv_hook(j), with_kwargs=True))
             out = blocks[j].get_submodule(h["out"])
@@ -111,6 +118,14 @@ class _Taps:
         self.sites.extend(_HEAD_SITES)
 
     def _qkv_hook(self, j: int):
+        if self.compiled:
+            key, op = _register(lambda q, k, v: self.write_qkv(j, q, k, v)), _ops().tap_qkv
+
+            def traced(module, args, kwargs):
+                qkv = list(args[:3]) + [kwargs.get(n) for n in ("query", "key", "value")[len(args[:3]):]]
+                op(*qkv, key)
+            return traced
+
         def hook(module, args, kwargs):
             qkv = list(args[:3]) + [kwargs.get(n) for n in ("query", "key", "value")[len(args[:3]):]]
             self.write_qkv(j, *qkv)
@@ -309,33 +324,44 @@ class _Taps:
         if not capturing:
             self.fired[site] = buf
 
+    def _tap(self, site: str, j: int, x: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+        """One site of block ``j`` as a forward reaches it: ``x`` (``[tokens, width]``; with
+        ``residual``, a Llama-style block's stream is their sum). While a graph is recorded, the armed
+        steering of :attr:`gadd` is recorded into it; edits are made in place; then the copy."""
+        if site == "resid" and self.gadd is not None and x.is_cuda and torch.cuda.is_current_stream_capturing():
+            x.add_(self.gadd[j])  # recorded into every graph (see arm_edits); eager steps skip it
+        if self.edits:
+            self._apply_edits(site, j, x, residual)
+        self._write(site, j, x, residual)
+
     def _output_hook(self, site: str, j: int):
+        tap = self._tap
+        if self.compiled:
+            key, op = _register(lambda x, r: self._tap(site, j, x, r)), _ops().tap
+
+            def tap(_site, _j, x, r=None):
+                op(x, r, key)
+
         def hook(module, args, out):
-            if site == "resid" and self.gadd is not None:
-                h = out[0] if isinstance(out, tuple) else out
-                if h.is_cuda and torch.cuda.is_current_stream_capturing():
-                    h.add_(self.gadd[j])  # recorded into every graph (see arm_edits); eager steps skip it
             if isinstance(out, tuple):
                 if site == "resid" and len(out) > 1 and isinstance(out[1], torch.Tensor):
                     # Llama-style blocks return (hidden, residual): the residual stream is their sum.
-                    h, r = _tokens(out[0]), _tokens(out[1])
-                    if self.edits:
-                        self._apply_edits(site, j, h, r)
-                    self._write(site, j, h, r)
+                    tap(site, j, _tokens(out[0]), _tokens(out[1]))
                     return
                 out = out[0]
-            out = _tokens(out)
-            if self.edits:
-                self._apply_edits(site, j, out)
-            self._write(site, j, out)
+            tap(site, j, _tokens(out))
         return hook
 
     def _input_hook(self, site: str, j: int):
+        tap = self._tap
+        if self.compiled:
+            key, op = _register(lambda x, r: self._tap(site, j, x, r)), _ops().tap
+
+            def tap(_site, _j, x, r=None):
+                op(x, r, key)
+
         def hook(module, args):
-            x = _tokens(args[0])
-            if self.edits:
-                self._apply_edits(site, j, x)
-            self._write(site, j, x)
+            tap(site, j, _tokens(args[0]))
         return hook
 
     def allocate_static(self, widths: dict[str, int]) -> None:
@@ -357,6 +383,45 @@ class _Taps:
             self.in_graph.add(site)
         if "resid" in widths:
             self.gadd = torch.zeros(self.n_layers, widths["resid"], dtype=self.dtype, device=self.device)
+
+
+# Under torch.compile: key -> the Python a traced hook's opaque op runs (one model per worker process).
+_TAPPED: list = []
+_OPS: Any = None
+
+
+def _register(fn) -> int:
+    _TAPPED.append(fn)
+    return len(_TAPPED) - 1
+
+
+def _ops() -> Any:
+    """nnvllm's two opaque ops, registered with torch once per process: ``nnvllm::tap(x, residual,
+    key)`` and ``nnvllm::tap_qkv(q, k, v, key)``. torch.compile keeps each as one call in the compiled
+    forward (their declared in-place writes keep them there), so the taps' Python (edits, the copy
+    into a static buffer, recorded along with a CUDA graph) runs as in an eager forward."""
+    global _OPS
+    if _OPS is None:
+        from torch.library import custom_op
+
+        @custom_op("nnvllm::tap", mutates_args=("x", "residual"))
+        def tap(x: torch.Tensor, residual: torch.Tensor | None, key: int) -> None:
+            _TAPPED[key](x, residual)
+
+        @tap.register_fake
+        def _(x, residual, key):
+            return None
+
+        @custom_op("nnvllm::tap_qkv", mutates_args=("q",))
+        def tap_qkv(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, key: int) -> None:
+            _TAPPED[key](q, k, v)
+
+        @tap_qkv.register_fake
+        def _(q, k, v, key):
+            return None
+
+        _OPS = torch.ops.nnvllm
+    return _OPS
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:
@@ -407,7 +472,11 @@ def _backend_attention() -> None:
         found = _BACKEND.get(id(module))
         if found is not None:  # [1, heads, tokens, d_head] -> [tokens, heads * d_head]
             taps, j = found
-            taps.write_qkv(j, *(x[0].transpose(0, 1) for x in (query, key, value)))
+            q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+            if taps.compiled:
+                _OPS.tap_qkv(q, k, v, taps.qkv_keys[j])
+            else:
+                taps.write_qkv(j, q, k, v)
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     attention._nnvllm = True
