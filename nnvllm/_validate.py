@@ -367,12 +367,13 @@ def engine_args(args: dict) -> dict:
 
 
 def compilation_config(cc: Any) -> dict:
-    """Refuse a ``compilation_config`` that turns torch.compile on, and return it without its mode
-    (nnvllm sets that): nnvllm's engine runs the model uncompiled. A compiled forward is traced
-    once, before any capture is armed, when the taps' hooks do nothing, and vLLM drops Dynamo's
-    guards (``TorchCompileWithNoGuardsWrapper``), so nothing traces it again: every capture would
-    read buffers nothing writes. The other keys (``cudagraph_capture_sizes``,
-    ``max_cudagraph_capture_size``, ...) go to vLLM."""
+    """Refuse a ``compilation_config`` that sets the compilation mode, and return it without it:
+    nnvllm sets the mode. A forward compiled with the plain hooks is traced once and vLLM drops
+    Dynamo's guards (``TorchCompileWithNoGuardsWrapper``), so the hooks' state at that trace (no
+    capture armed) would be baked in and every capture would read buffers nothing writes; under
+    ``NNVLLM_COMPILE=1`` nnvllm compiles the forward with the taps as opaque ops instead
+    (docs/capture.md). The other keys (``cudagraph_capture_sizes``, ``max_cudagraph_capture_size``,
+    ...) go to vLLM."""
     if not isinstance(cc, dict):
         raise TypeError(f"compilation_config={cc!r}: expected a dict of vLLM's compilation settings "
                         "(nnvllm sets its mode and cudagraph_mode)")
@@ -389,10 +390,11 @@ def compilation_config(cc: Any) -> dict:
                 off = False
         if not off:
             raise ValueError(
-                f"compilation_config={{{key!r}: {v!r}}} turns torch.compile on, and nnvllm's engine runs the "
-                "model uncompiled: a compiled forward leaves out the hooks that record and edit activations, "
+                f"compilation_config={{{key!r}: {v!r}}} turns torch.compile on, and nnvllm sets the mode itself: "
+                "a forward compiled this way leaves out the hooks that record and edit activations, "
                 f"so captures would read nothing. Leave {key!r} out of compilation_config (its other keys "
-                "go to vLLM); on a GPU the engine still replays CUDA graphs (cuda_graphs=True).")
+                "go to vLLM); on a GPU the engine still replays CUDA graphs (cuda_graphs=True), and "
+                "NNVLLM_COMPILE=1 (set before nv.load) compiles the forward with the taps inside it.")
     return {k: v for k, v in cc.items() if k not in ("mode", "level")}
 
 

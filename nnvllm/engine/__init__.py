@@ -173,7 +173,8 @@ def load(
             records through them (:mod:`nnvllm.engine.worker`; measured 3.1x faster than eager on an
             H200, same numbers bit for bit); a decode step of an nnsight trace that reads or edits
             only the blocks' outputs replays the graph in pieces, other traced steps run eagerly
-            (:mod:`nnvllm.engine.worker.pieces`, docs/capture.md).
+            (:mod:`nnvllm.engine.worker.pieces`, docs/capture.md). ``NNVLLM_COMPILE=1`` (GPU and
+            CPU): vLLM's torch.compile runs the forward, with the taps inside it as opaque ops.
             ``exact=True`` (GPU, fp32): full-precision fp32 attention, so that vLLM matches
             transformers to fp32 rounding (without it, Triton's TF32 dot products leave ~1e-3 on
             the residual stream; docs/discrepancies.md). Implies ``dtype="float32"``.

@@ -526,8 +526,9 @@ def uses_cuda_graphs(model) -> bool:
 def _graph_args(graphs: bool, kwargs: dict) -> dict:
     """vLLM engine arguments for nnvllm's GPU engine: CUDA graphs on (default) or eager.
 
-    With graphs: full graphs for decode steps, prefill eager, and no torch.compile (a compiled
-    graph would not run the taps' hooks while vLLM records the graphs). nnvllm's runner records each
+    With graphs: full graphs for decode steps, prefill eager, and torch.compile only under
+    ``NNVLLM_COMPILE=1`` (:func:`compile_forward`: the taps are then opaque ops inside the compiled
+    forward; the plain hooks would be traced once and baked in). nnvllm's runner records each
     decode graph in pieces too, for steps that carry an nnsight trace (:mod:`.worker.pieces`).
     Measured on an H200, see benchmarks/results/capture_gpu_h200.json.
     """
