@@ -37,6 +37,8 @@ batch, then the median of ``--repeats``):
   records ``<case>_load``, the seconds ``nv.load`` took (engine start and graph recording).
 - ``<nv case>_residgraphs``: the same with ``NNVLLM_GRAPH_SITES=resid`` (the graphs record the
   residual stream's copies only): what recording every site's copies costs each replayed step.
+- ``<nv case>_compiled``: the same with ``NNVLLM_COMPILE=1`` (vLLM's torch.compile runs the forward,
+  the taps inside it as opaque ops); before ``_residgraphs`` where both are wanted.
 - ``nv_default``: ``nv.load(path, dtype="float16")`` and nothing else: what a researcher gets
   (on a GPU: an isolated engine with CUDA graphs).
 - ``nv_isolated``: ``nv.generate`` on an isolated engine (``isolate=True``, graphs on).
@@ -207,11 +209,13 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             os.environ["NNVLLM_HANDOVER"] = mode  # inherited by the engine's processes
         if name.endswith("_nopieces"):
             os.environ["NNVLLM_TRACE_PIECES"] = "0"  # whole graphs only (as before graph pieces)
-        if name.endswith("_residgraphs"):
+        name_kw = name
+        if name_kw.endswith("_residgraphs"):
             os.environ["NNVLLM_GRAPH_SITES"] = "resid"  # the graphs copy the residual stream only
-            name_kw = name.removesuffix("_residgraphs")
-        else:
-            name_kw = name
+            name_kw = name_kw.removesuffix("_residgraphs")
+        if name_kw.endswith("_compiled"):
+            os.environ["NNVLLM_COMPILE"] = "1"  # vLLM's torch.compile, the taps inside it as opaque ops
+            name_kw = name_kw.removesuffix("_compiled")
         import nnvllm as nv
         from nnvllm import capture
         from vllm import SamplingParams

@@ -34,6 +34,8 @@
 #                                    (docs/capture.md, "What it costs")
 #                graphsites          capture_gpu.py, what the graphs' copies of every site cost against the
 #                                    residual stream's alone (NNVLLM_GRAPH_SITES=resid), 12 calls each
+#                compiled            capture_gpu.py, NNVLLM_COMPILE=1 (torch.compile with the taps inside) against
+#                                    vLLM's default and nv.load's graph engine, 12 calls each
 #                fp32                fp32_gpu.py, where fp32 vLLM differs from transformers, layer by layer
 #                profile             profile_collect.py, where a 1,024 x 128 collect spends its time
 #                profile_sae         profile_collect.py --saes 16384, the same for sae_gpu.py's feature dataset
@@ -227,6 +229,8 @@ bench() {
                   --timeout 140 --root $root --cases bare_graphs,nv_graphs,nv_graphs_nopieces,nv_default,bare_nocompile ;;
       graphsites) bench_item "$item" $c --name llama1b_graphsites --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
                     --timeout 140 --root $root --cases bare_nocompile,nv_graphs,nv_graphs_residgraphs ;;
+      compiled) bench_item "$item" $c --name llama1b_compiled --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
+                  --timeout 200 --root $root --cases bare_graphs,nv_graphs,nv_graphs_compiled,nv_graphs_compiled_residgraphs ;;
       fp32) bench_item "$item" "$PY" benchmarks/fp32_gpu.py --jobs 4 --timeout 200 ;;
       profile) bench_item "$item" "$PY" benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 \
                  --budget 8GB --root $root ;;
