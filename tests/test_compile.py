@@ -140,3 +140,33 @@ def test_an_nnsight_trace_runs_the_plain_forward(compiled, fidelity):
     after.check(run.resid[0], 1e-4, lambda r: r.resid[0], f"{kind} after the traces")
     modes = _modes(model)
     assert modes.get("compiled", 0) >= 2 and not modes.get("plain"), modes
+
+
+def test_an_isolated_compiled_engine(toy_path, fidelity):
+    """The isolated engine (the GPU's default) compiles in its own processes, which read
+    NNVLLM_COMPILE when it starts: a capture of other sites than the one before it, and a trace, equal
+    transformers."""
+    from conftest import engine_kwargs
+
+    old = os.environ.get("NNVLLM_COMPILE")
+    os.environ["NNVLLM_COMPILE"] = "1"
+    try:
+        model = nv.load(toy_path, isolate=True, **engine_kwargs(1))
+    finally:
+        if old is None:
+            os.environ.pop("NNVLLM_COMPILE")
+        else:
+            os.environ["NNVLLM_COMPILE"] = old
+    try:
+        for sites in (["mlp"], ["attn", "mlp_act"]):
+            run = nv.generate(model, PROMPTS, max_tokens=3, ignore_eos=True, sites=sites, layers=[1, 4])
+            ref = fidelity.reference(toy_path, PROMPTS, tokens=run.tokens, sites=sites, layers=[1, 4])
+            for i in range(len(PROMPTS)):
+                ref.check(run.resid[i], 1e-4, lambda r, i=i: r.resid[i], f"isolated resid[{i}]")
+                for s in sites:
+                    ref.check(run.sites[s][i], 1e-4, lambda r, s=s, i=i: r.sites[s][i], f"isolated {s}[{i}]")
+        with model.trace(PROMPTS[0], max_tokens=1, temperature=0.0):
+            seen = model.transformer.h[4].output.save()
+        ref.check(seen.float().cpu(), 1e-4, lambda r: r.resid[0][1, : seen.shape[0]], "isolated traced block 4")
+    finally:
+        model.close()
