@@ -398,10 +398,11 @@ def _register(fn) -> int:
 def _ops() -> Any:
     """nnvllm's two opaque ops, registered with torch once per process: ``nnvllm::tap(x, residual,
     key)`` and ``nnvllm::tap_qkv(q, k, v, key)``. torch.compile keeps each as one call in the compiled
-    forward (their declared in-place writes keep them there), so the taps' Python (edits, the copy
+    forward (tap's declared in-place writes, tap_qkv's declared side effect keep them there), so the taps' Python (edits, the copy
     into a static buffer, recorded along with a CUDA graph) runs as in an eager forward."""
     global _OPS
     if _OPS is None:
+        from torch.fx.node import has_side_effect
         from torch.library import custom_op
 
         @custom_op("nnvllm::tap", mutates_args=("x", "residual"))
@@ -412,7 +413,9 @@ def _ops() -> Any:
         def _(x, residual, key):
             return None
 
-        @custom_op("nnvllm::tap_qkv", mutates_args=("q",))
+        # q, k and v are only read: a declared write would have the compiler copy q (and re-join q,
+        # k, v after it) in every block; marked as having a side effect, the call is kept anyway.
+        @custom_op("nnvllm::tap_qkv", mutates_args=())
         def tap_qkv(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, key: int) -> None:
             _TAPPED[key](q, k, v)
 
@@ -420,6 +423,7 @@ def _ops() -> Any:
         def _(q, k, v, key):
             return None
 
+        has_side_effect(torch.ops.nnvllm.tap_qkv.default)
         _OPS = torch.ops.nnvllm
     return _OPS
 
