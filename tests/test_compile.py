@@ -170,3 +170,35 @@ def test_an_isolated_compiled_engine(toy_path, fidelity):
         ref.check(seen.float().cpu(), 1e-4, lambda r: r.resid[0][1, : seen.shape[0]], "isolated traced block 4")
     finally:
         model.close()
+
+
+def test_a_transformers_backend_family_compiles_with_its_heads(tmp_path, fidelity):
+    """GPT-NeoX runs through vLLM's Transformers backend, whose attention function nnvllm wraps to read
+    q, k and v (taps._backend_attention): compiled, its heads and sites equal transformers'."""
+    from conftest import engine_kwargs, release_shared_engine
+    from nnvllm.testing import tiny_checkpoint
+
+    release_shared_engine()
+    path = tiny_checkpoint("gpt_neox", tmp_path / "ckpt")
+    old = os.environ.get("NNVLLM_COMPILE")
+    os.environ["NNVLLM_COMPILE"] = "1"
+    try:
+        model = nv.load(path, isolate=False, **engine_kwargs(1))
+    finally:
+        if old is None:
+            os.environ.pop("NNVLLM_COMPILE")
+        else:
+            os.environ["NNVLLM_COMPILE"] = old
+    try:
+        _modes(model)
+        for sites in (["q", "k", "v", "z"], ["attn", "mlp"]):
+            run = nv.generate(model, PROMPTS, max_tokens=3, ignore_eos=True, sites=sites)
+            ref = fidelity.reference(path, PROMPTS, tokens=run.tokens, sites=sites)
+            for i in range(len(PROMPTS)):
+                ref.check(run.resid[i], 1e-4, lambda r, i=i: r.resid[i], f"gpt_neox resid[{i}]")
+                for s in sites:
+                    ref.check(run.sites[s][i], 1e-4, lambda r, s=s, i=i: r.sites[s][i], f"gpt_neox {s}[{i}]")
+        modes = _modes(model)
+        assert modes.get("compiled", 0) >= 6 and not modes.get("plain"), modes
+    finally:
+        model.close()

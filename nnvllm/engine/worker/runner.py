@@ -103,10 +103,9 @@ class RecordingRunner:
 
 
 def compiled(runner: Any) -> bool:
-    """Whether vLLM runs this runner's forward through torch.compile (``NNVLLM_COMPILE=1``)."""
-    from vllm.config import CompilationMode
-
-    return not runner.model_config.enforce_eager and runner.compilation_config.mode != CompilationMode.NONE
+    """Whether vLLM runs this runner's forward through torch.compile (``NNVLLM_COMPILE=1``): some module
+    of the model carries vLLM's compile decorator, switched on (``do_not_compile`` False)."""
+    return any(getattr(m, "do_not_compile", True) is False for m in runner.get_model().modules())
 
 
 def _decode_step(runner: Any, args: tuple, kwargs: dict) -> bool:
