@@ -219,13 +219,15 @@ def same_values(a, b) -> bool:
     """Two calls' captures of the same prompts agree: bit for bit on CPU (an in-process engine steps
     its whole batch at once); on a GPU within 1e-4. There the engine core runs in its own process and
     may start a prefill before every request of the call has arrived (a first step can hold one of
-    three prompts), and a different batch make-up changes fp32 rounding (~1e-6). A
-    left-over edit moves values by far more than the bound."""
+    three prompts), and a different batch make-up changes fp32 rounding (~1e-6). Under
+    ``NNVLLM_COMPILE=1`` also within 1e-4: a step that carries an nnsight trace runs the plain
+    forward and any other step the compiled one, whose fused kernels round differently (~4e-7 on the
+    toy model). A left-over edit moves values by far more than the bound."""
     import torch
 
     if a.shape != b.shape:
         return False
-    if not a.is_cuda and not torch.cuda.is_available():
+    if not a.is_cuda and not torch.cuda.is_available() and os.environ.get("NNVLLM_COMPILE", "0") in ("0", ""):
         return torch.equal(a, b)
     return bool((a.float() - b.float()).abs().max() <= 1e-4)
 
