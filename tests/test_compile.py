@@ -21,21 +21,28 @@ import nnvllm as nv
 PROMPTS = ["The capital of France is", "Paris is the capital of"]
 
 
-@pytest.fixture(scope="module", params=["toy", "llama"])
-def compiled(request, toy_path, tiny_paths):
-    from conftest import engine_kwargs, release_shared_engine
+def _load_compiled(path, isolate: bool):
+    """``nv.load`` with ``NNVLLM_COMPILE=1`` (read where the engine starts), the variable restored after."""
+    from conftest import engine_kwargs
 
-    release_shared_engine()  # one in-process engine at a time
-    path = toy_path if request.param == "toy" else tiny_paths["llama"]
     old = os.environ.get("NNVLLM_COMPILE")
     os.environ["NNVLLM_COMPILE"] = "1"
     try:
-        model = nv.load(path, isolate=False, **engine_kwargs(1))
+        return nv.load(path, isolate=isolate, **engine_kwargs(1))
     finally:
         if old is None:
             os.environ.pop("NNVLLM_COMPILE")
         else:
             os.environ["NNVLLM_COMPILE"] = old
+
+
+@pytest.fixture(scope="module", params=["toy", "llama"])
+def compiled(request, toy_path, tiny_paths):
+    from conftest import release_shared_engine
+
+    release_shared_engine()  # one in-process engine at a time
+    path = toy_path if request.param == "toy" else tiny_paths["llama"]
+    model = _load_compiled(path, isolate=False)
     yield request.param, path, model
     model.close()
 
@@ -146,17 +153,7 @@ def test_an_isolated_compiled_engine(toy_path, fidelity):
     """The isolated engine (the GPU's default) compiles in its own processes, which read
     NNVLLM_COMPILE when it starts: a capture of other sites than the one before it, and a trace, equal
     transformers."""
-    from conftest import engine_kwargs
-
-    old = os.environ.get("NNVLLM_COMPILE")
-    os.environ["NNVLLM_COMPILE"] = "1"
-    try:
-        model = nv.load(toy_path, isolate=True, **engine_kwargs(1))
-    finally:
-        if old is None:
-            os.environ.pop("NNVLLM_COMPILE")
-        else:
-            os.environ["NNVLLM_COMPILE"] = old
+    model = _load_compiled(toy_path, isolate=True)
     try:
         for sites in (["mlp"], ["attn", "mlp_act"]):
             run = nv.generate(model, PROMPTS, max_tokens=3, ignore_eos=True, sites=sites, layers=[1, 4])
@@ -175,20 +172,12 @@ def test_an_isolated_compiled_engine(toy_path, fidelity):
 def test_a_transformers_backend_family_compiles_with_its_heads(tmp_path, fidelity):
     """GPT-NeoX runs through vLLM's Transformers backend, whose attention function nnvllm wraps to read
     q, k and v (taps._backend_attention): compiled, its heads and sites equal transformers'."""
-    from conftest import engine_kwargs, release_shared_engine
+    from conftest import release_shared_engine
     from nnvllm.testing import tiny_checkpoint
 
     release_shared_engine()
     path = tiny_checkpoint("gpt_neox", tmp_path / "ckpt")
-    old = os.environ.get("NNVLLM_COMPILE")
-    os.environ["NNVLLM_COMPILE"] = "1"
-    try:
-        model = nv.load(path, isolate=False, **engine_kwargs(1))
-    finally:
-        if old is None:
-            os.environ.pop("NNVLLM_COMPILE")
-        else:
-            os.environ["NNVLLM_COMPILE"] = old
+    model = _load_compiled(path, isolate=False)
     try:
         _modes(model)
         for sites in (["q", "k", "v", "z"], ["attn", "mlp"]):

@@ -486,13 +486,19 @@ def compile_forward() -> bool:
     return on
 
 
-def _compile_args(kwargs: dict) -> dict:
-    """vLLM engine arguments for a compiled forward (vLLM's own default mode)."""
+def _split_compilation(kwargs: dict) -> tuple[dict, dict]:
+    """``kwargs`` without ``enforce_eager`` and ``compilation_config``, and that config (a dict)."""
     kwargs = dict(kwargs)
     kwargs.pop("enforce_eager", None)
     cc = kwargs.pop("compilation_config", None) or {}
     if not isinstance(cc, dict):
         raise TypeError("compilation_config= must be a dict for nnvllm's engine (it sets mode and cudagraph_mode)")
+    return kwargs, cc
+
+
+def _compile_args(kwargs: dict) -> dict:
+    """vLLM engine arguments for a compiled forward on the CPU (vLLM's own default mode)."""
+    kwargs, cc = _split_compilation(kwargs)
     return {**kwargs, "enforce_eager": False, "compilation_config": {**cc, "mode": 3}}
 
 
@@ -532,12 +538,10 @@ def _graph_args(graphs: bool, kwargs: dict) -> dict:
     decode graph in pieces too, for steps that carry an nnsight trace (:mod:`.worker.pieces`).
     Measured on an H200, see benchmarks/results/capture_gpu_h200.json.
     """
-    kwargs = dict(kwargs)
-    kwargs.pop("enforce_eager", None)
     if not graphs:
+        kwargs = dict(kwargs)
+        kwargs.pop("enforce_eager", None)
         return {**kwargs, "enforce_eager": True}
-    cc = kwargs.pop("compilation_config", None) or {}
-    if not isinstance(cc, dict):
-        raise TypeError("compilation_config= must be a dict for nnvllm's engine (it sets mode and cudagraph_mode)")
+    kwargs, cc = _split_compilation(kwargs)
     cc = {"mode": 3 if compile_forward() else 0, "cudagraph_mode": "FULL_DECODE_ONLY", **cc}
     return {**kwargs, "enforce_eager": False, "compilation_config": cc}

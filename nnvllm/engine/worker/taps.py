@@ -30,9 +30,9 @@ import torch
 # Column-parallel outputs: each TP rank holds a slice of the width.
 _SHARDED = ("mlp_in", "mlp_act")
 _HEAD_SITES = ("q", "k", "v", "z")  # each TP rank holds its heads (KV heads: replicated where fewer than ranks)
-# Under the Transformers backend: id(transformers' attention module) -> (taps, layer), for the wrapped
+# Under the Transformers backend: id(transformers' attention module) -> its block's q/k/v writer, for the wrapped
 # attention function (one model per worker process; a new install replaces the entries).
-_BACKEND: dict[int, tuple] = {}
+_BACKEND: dict[int, Any] = {}
 # Static buffers for graph replay are kept under this many bytes per engine; sites that would not
 # fit are recorded by running the steps of a capture that asks for them eagerly.
 STATIC_BUDGET = int(os.environ.get("NNVLLM_STATIC_BUDGET", 2 << 30))
@@ -102,33 +102,31 @@ class _Taps:
     # ---- per-head sites
     def _install_heads(self, blocks) -> None:
         h = self.heads
-        self.qkv_keys: dict[int, int] = {}
         for j in range(self.n_layers):
             core = blocks[j].get_submodule(h["core"])
             if h.get("backend"):
                 _backend_attention()
-                _BACKEND[id(blocks[j].get_submodule(h["core"].rsplit(".", 1)[0]))] = (self, j)
-                if self.compiled:
-                    _ops()  # registered before any forward is traced
-                    self.qkv_keys[j] = _register(lambda q, k, v, j=j: self.write_qkv(j, q, k, v))
+                _BACKEND[id(blocks[j].get_submodule(h["core"].rsplit(".", 1)[0]))] = self._qkv_writer(j)
             else:
                 self.handles.append(core.register_forward_pre_hook(self._qkv_hook(j), with_kwargs=True))
             out = blocks[j].get_submodule(h["out"])
             self.handles.append(out.register_forward_pre_hook(self._input_hook("z", j)))
         self.sites.extend(_HEAD_SITES)
 
-    def _qkv_hook(self, j: int):
-        if self.compiled:
-            key, op = _register(lambda q, k, v: self.write_qkv(j, q, k, v)), _ops().tap_qkv
+    def _qkv_writer(self, j: int):
+        """``(q, k, v) -> None`` for block ``j``: :meth:`write_qkv`, or under torch.compile the opaque
+        op that calls it."""
+        if not self.compiled:
+            return lambda q, k, v: self.write_qkv(j, q, k, v)
+        key, op = _register(lambda q, k, v: self.write_qkv(j, q, k, v)), _ops().tap_qkv
+        return lambda q, k, v: op(q, k, v, key)
 
-            def traced(module, args, kwargs):
-                qkv = list(args[:3]) + [kwargs.get(n) for n in ("query", "key", "value")[len(args[:3]):]]
-                op(*qkv, key)
-            return traced
+    def _qkv_hook(self, j: int):
+        write = self._qkv_writer(j)
 
         def hook(module, args, kwargs):
             qkv = list(args[:3]) + [kwargs.get(n) for n in ("query", "key", "value")[len(args[:3]):]]
-            self.write_qkv(j, *qkv)
+            write(*qkv)
         return hook
 
     def write_qkv(self, j: int, q, k, v) -> None:
@@ -334,34 +332,32 @@ class _Taps:
             self._apply_edits(site, j, x, residual)
         self._write(site, j, x, residual)
 
-    def _output_hook(self, site: str, j: int):
-        tap = self._tap
-        if self.compiled:
-            key, op = _register(lambda x, r: self._tap(site, j, x, r)), _ops().tap
+    def _site_tap(self, site: str, j: int):
+        """``(x, residual=None) -> None`` for one site of block ``j``: :meth:`_tap`, or under
+        torch.compile the opaque op that calls it."""
+        if not self.compiled:
+            return lambda x, r=None: self._tap(site, j, x, r)
+        key, op = _register(lambda x, r: self._tap(site, j, x, r)), _ops().tap
+        return lambda x, r=None: op(x, r, key)
 
-            def tap(_site, _j, x, r=None):
-                op(x, r, key)
+    def _output_hook(self, site: str, j: int):
+        tap = self._site_tap(site, j)
 
         def hook(module, args, out):
             if isinstance(out, tuple):
                 if site == "resid" and len(out) > 1 and isinstance(out[1], torch.Tensor):
                     # Llama-style blocks return (hidden, residual): the residual stream is their sum.
-                    tap(site, j, _tokens(out[0]), _tokens(out[1]))
+                    tap(_tokens(out[0]), _tokens(out[1]))
                     return
                 out = out[0]
-            tap(site, j, _tokens(out))
+            tap(_tokens(out))
         return hook
 
     def _input_hook(self, site: str, j: int):
-        tap = self._tap
-        if self.compiled:
-            key, op = _register(lambda x, r: self._tap(site, j, x, r)), _ops().tap
-
-            def tap(_site, _j, x, r=None):
-                op(x, r, key)
+        tap = self._site_tap(site, j)
 
         def hook(module, args):
-            tap(site, j, _tokens(args[0]))
+            tap(_tokens(args[0]))
         return hook
 
     def allocate_static(self, widths: dict[str, int]) -> None:
@@ -398,8 +394,9 @@ def _register(fn) -> int:
 def _ops() -> Any:
     """nnvllm's two opaque ops, registered with torch once per process: ``nnvllm::tap(x, residual,
     key)`` and ``nnvllm::tap_qkv(q, k, v, key)``. torch.compile keeps each as one call in the compiled
-    forward (tap's declared in-place writes, tap_qkv's declared side effect keep them there), so the taps' Python (edits, the copy
-    into a static buffer, recorded along with a CUDA graph) runs as in an eager forward."""
+    forward (tap's declared in-place writes, tap_qkv's declared side effect keep them there), so the
+    taps' Python (edits, the copy into a static buffer, recorded along with a CUDA graph) runs as in an
+    eager forward. Registered when the taps are installed, before vLLM traces the forward."""
     global _OPS
     if _OPS is None:
         from torch.fx.node import has_side_effect
@@ -473,14 +470,9 @@ def _backend_attention() -> None:
         return
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        found = _BACKEND.get(id(module))
-        if found is not None:  # [1, heads, tokens, d_head] -> [tokens, heads * d_head]
-            taps, j = found
-            q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-            if taps.compiled:
-                _OPS.tap_qkv(q, k, v, taps.qkv_keys[j])
-            else:
-                taps.write_qkv(j, q, k, v)
+        write = _BACKEND.get(id(module))
+        if write is not None:  # [1, heads, tokens, d_head] -> [tokens, heads * d_head]
+            write(*(x[0].transpose(0, 1) for x in (query, key, value)))
         return inner(module, query, key, value, attention_mask, **kwargs)
 
     attention._nnvllm = True
