@@ -48,7 +48,10 @@ class RecordingRunner:
             sizes = getattr(self, "cudagraph_batch_sizes", None) or []
             cap = max(sizes) if sizes else int(
                 getattr(self.compilation_config, "max_cudagraph_capture_size", 0) or 0)
-        taps = _Taps(self, arch, cap, compiled=compiled(self))
+        is_compiled = compiled(self)
+        if is_compiled:
+            _plain_native_ops(self.get_model())
+        taps = _Taps(self, arch, cap, compiled=is_compiled)
         taps.widths = _site_widths(self.get_model(), arch, taps.tp)
         if cap:
             taps.allocate_static(taps.widths)
@@ -106,6 +109,24 @@ def compiled(runner: Any) -> bool:
     """Whether vLLM runs this runner's forward through torch.compile (``NNVLLM_COMPILE=1``): some module
     of the model carries vLLM's compile decorator, switched on (``do_not_compile`` False)."""
     return any(getattr(m, "do_not_compile", True) is False for m in runner.get_model().modules())
+
+
+def _plain_native_ops(model: Any) -> None:
+    """Run vLLM's custom ops that use their native forward through it directly, not through the
+    separate ``torch.compile`` vLLM wraps it in when the engine compiles (e.g. ``SiluAndMul``).
+
+    Inside the compiled forward Dynamo traces the native forward either way. The plain forward, which
+    a step carrying an nnsight trace runs, would otherwise compile that wrapper on its first call, and
+    the first call is the recording of the graph pieces, where torch refuses to compile ("torch.compile
+    cannot JIT compile during CUDA graph capture").
+    """
+    from vllm.model_executor.custom_op import CustomOp
+
+    for m in model.modules():
+        # vLLM's dispatch gives a bound method of the op (its CUDA or native forward) or a compiled
+        # wrapper of the native one, which has no __self__.
+        if isinstance(m, CustomOp) and getattr(m._forward_method, "__self__", None) is not m:
+            m._forward_method = m.forward_native
 
 
 def _decode_step(runner: Any, args: tuple, kwargs: dict) -> bool:
