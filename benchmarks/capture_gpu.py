@@ -61,6 +61,11 @@ batch, then the median of ``--repeats``):
   logits-only trace) once each under cProfile, with the engine core in the case's process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profile sees the worker: seconds (profiler on) and
   the 30 costliest functions by own and by cumulative time.
+- ``nv_split``: on one in-process graph engine, in turns, ``repeats`` times: the engine's own
+  generate with text prompts (``_bare``) and with token ids as nv.generate sends them (``_ids``),
+  ``nv.generate`` keeping only tokens and samples (``_tokens``) and keeping every layer and the
+  logits (``_all``): where nv.generate's cost over the engine's own generate goes.
+  ``nv_split_profile``: one call of each under cProfile, the engine core in the case's process.
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -269,6 +274,43 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         clean = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True, layers=[L // 2 + 1], logits=False)
         run = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True, layers=[L // 2 + 1], logits=False, edits=steer)
         res[name + "_moved"] = float((run.resid[0].float() - clean.resid[0].float()).abs().max())
+        model.close()
+        return res
+    if name in ("nv_split", "nv_split_profile"):
+        # Where nv.generate's cost over the engine's own generate goes, on one in-process graph engine:
+        # the engine's generate with text prompts (``bare``) and with token ids (what nv.generate
+        # sends, ``ids``), nv.generate keeping only tokens and samples (``tokens``), and keeping
+        # every layer and the logits (``all``), in turns, so that a drift over the run (clocks, a
+        # background thread after the start) falls on every form alike. ``nv_split_profile`` runs the
+        # engine core in this process and profiles one call of each form (cProfile, worker included).
+        from vllm import SamplingParams
+
+        if name == "nv_split_profile":
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import nnvllm as nv
+
+        model = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=gpu_util)
+        sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
+        ids = [{"prompt_token_ids": model.tokenizer(p)["input_ids"]} for p in ps]
+        forms = {"bare": lambda: model.llm.generate(ps, sp, use_tqdm=False),
+                 "ids": lambda: model.llm.generate(ids, sp, use_tqdm=False),
+                 "tokens": lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False),
+                 "all": lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True)}
+        if name == "nv_split_profile":
+            for label, fn in forms.items():
+                res[f"{name}_{label}"] = _profiled(fn)
+            model.close()
+            return res
+        for fn in forms.values():
+            fn()  # warm-up
+        times: dict[str, list[float]] = {label: [] for label in forms}
+        for _ in range(repeats):
+            for label, fn in forms.items():
+                t = time.perf_counter()
+                fn()
+                times[label].append(time.perf_counter() - t)
+        for label, ts in times.items():
+            res[f"{name}_{label}"] = {"median": statistics.median(ts), "all": ts}
         model.close()
         return res
     if name in ("nv_trace", "nv_trace_nopieces", "nv_trace_profile"):

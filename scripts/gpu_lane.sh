@@ -36,6 +36,8 @@
 #                                    residual stream's alone (NNVLLM_GRAPH_SITES=resid), 12 calls each
 #                compiled            capture_gpu.py, NNVLLM_COMPILE=1 (torch.compile with the taps inside) against
 #                                    vLLM's default and nv.load's graph engine, 12 calls each
+#                split               capture_gpu.py, where nv.generate's cost over the engine's own generate goes:
+#                                    text vs token-id prompts, tokens only, every layer; then each under cProfile
 #                fp32                fp32_gpu.py, where fp32 vLLM differs from transformers, layer by layer
 #                profile             profile_collect.py, where a 1,024 x 128 collect spends its time
 #                profile_sae         profile_collect.py --saes 16384, the same for sae_gpu.py's feature dataset
@@ -231,6 +233,8 @@ bench() {
                     --timeout 140 --root $root --cases bare_nocompile,nv_graphs,nv_graphs_residgraphs ;;
       compiled) bench_item "$item" $c --name llama1b_compiled --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
                   --timeout 200 --root $root --cases bare_graphs,nv_graphs,nv_graphs_compiled,nv_graphs_compiled_residgraphs ;;
+      split) bench_item "$item" $c --name llama1b_split --shape llama1b --prompts 64 --tokens 128 --repeats 8 \
+               --timeout 300 --root $root --cases nv_split,nv_split_profile ;;
       fp32) bench_item "$item" "$PY" benchmarks/fp32_gpu.py --jobs 4 --timeout 200 ;;
       profile) bench_item "$item" "$PY" benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 \
                  --budget 8GB --root $root ;;
