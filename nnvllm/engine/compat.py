@@ -449,6 +449,13 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
           "note a trace that waits inside the forward"),
     Touch("nnsight.intervention.interleaver", "Mediator.occurrence", "worker/pieces.py",
           "a trace that missed a location in a step in pieces"),
+    # vLLM: the compiled forward (NNVLLM_COMPILE=1)
+    Touch("vllm.forward_context", "ForwardContext.skip_compiled", "worker/runner.py",
+          "a step that carries nnsight's work runs the plain forward"),
+    Touch("vllm.model_executor.custom_op", "CustomOp.forward_native", "worker/runner.py",
+          "a compiled engine's custom ops call their native forward directly (_plain_native_ops)",
+          set_in_init=("_forward_method",)),
+    Touch("torch.fx.node", "has_side_effect", "worker/taps.py", "the q/k/v tap op is kept in the compiled graph"),
     Touch("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "worker/cpu.py", "the CPU backend's runner"),
     Touch("vllm.v1.worker.cpu_worker", "CPUWorker", "worker/cpu.py", "the CPU backend's worker"),
     Touch("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading", "compat.py",
