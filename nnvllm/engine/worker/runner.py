@@ -123,9 +123,12 @@ def _plain_native_ops(model: Any) -> None:
     from vllm.model_executor.custom_op import CustomOp
 
     for m in model.modules():
-        # vLLM's dispatch gives a bound method of the op (its CUDA or native forward) or a compiled
-        # wrapper of the native one, which has no __self__.
-        if isinstance(m, CustomOp) and getattr(m._forward_method, "__self__", None) is not m:
+        # vLLM's dispatch gives one of the op's own forwards (a method, or a static native forward)
+        # or a compiled wrapper of the native one.
+        if not isinstance(m, CustomOp):
+            continue
+        f = m._forward_method
+        if f != m.forward_native and getattr(f, "__self__", None) is not m:
             m._forward_method = m.forward_native
 
 
