@@ -52,6 +52,14 @@ def run_width(model) -> int:
     return nv.generate(model, PROMPTS[0], max_tokens=1, layers=[0]).resid[0].shape[-1]
 
 
+def _check_sites(ref, run, sites, label: str) -> None:
+    """Each prompt's residual stream and every one of ``sites`` within 1e-4 of the reference."""
+    for i in range(len(PROMPTS)):
+        ref.check(run.resid[i], 1e-4, lambda r, i=i: r.resid[i], f"{label} resid[{i}]")
+        for s in sites:
+            ref.check(run.sites[s][i], 1e-4, lambda r, s=s, i=i: r.sites[s][i], f"{label} {s}[{i}]")
+
+
 def _modes(model) -> dict:
     return model.llm.collective_rpc("nnvllm_step_modes", kwargs={"reset": True})[0]
 
@@ -69,10 +77,7 @@ def test_every_site_and_then_others_equal_transformers(compiled, fidelity):
     sites = _sites(model)
     run = nv.generate(model, PROMPTS, max_tokens=4, ignore_eos=True, sites=sites)
     ref = fidelity.reference(path, PROMPTS, tokens=run.tokens, sites=sites)
-    for i in range(len(PROMPTS)):
-        ref.check(run.resid[i], 1e-4, lambda r, i=i: r.resid[i], f"{kind} resid[{i}]")
-        for s in sites:
-            ref.check(run.sites[s][i], 1e-4, lambda r, s=s, i=i: r.sites[s][i], f"{kind} {s}[{i}]")
+    _check_sites(ref, run, sites, kind)
     last = sites[-1]
     two = nv.generate(model, PROMPTS[::-1], max_tokens=3, ignore_eos=True, sites=[last], layers=[0, -1])
     ref2 = fidelity.reference(path, PROMPTS[::-1], tokens=two.tokens, sites=[last], layers=[0, -1])
@@ -184,10 +189,7 @@ def test_a_transformers_backend_family_compiles_with_its_heads(tmp_path, fidelit
         for sites in (["q", "k", "v", "z"], ["attn", "mlp"]):
             run = nv.generate(model, PROMPTS, max_tokens=3, ignore_eos=True, sites=sites)
             ref = fidelity.reference(path, PROMPTS, tokens=run.tokens, sites=sites)
-            for i in range(len(PROMPTS)):
-                ref.check(run.resid[i], 1e-4, lambda r, i=i: r.resid[i], f"gpt_neox resid[{i}]")
-                for s in sites:
-                    ref.check(run.sites[s][i], 1e-4, lambda r, s=s, i=i: r.sites[s][i], f"gpt_neox {s}[{i}]")
+            _check_sites(ref, run, sites, "gpt_neox")
         modes = _modes(model)
         assert modes.get("compiled", 0) >= 6 and not modes.get("plain"), modes
     finally:
