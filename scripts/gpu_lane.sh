@@ -60,6 +60,9 @@
 #   NOTEBOOKS      what the notebooks stage runs (default notebooks/)
 #   STAGE_TIMEOUT  seconds per test stage (default: none); PYTEST_ARGS: more pytest arguments
 #   PYTHON         the interpreter (default python3)
+#   BENCH_CASES    the cases of bench items llama1b, gpt2s, compiled and split (capture_gpu.py --cases), each
+#                  in its own process and recorded as it ends: the cases first listed come back first
+#                  from a command cut at its limit
 #
 # On the lent H200, after setup, the suite takes two commands of its 10 minutes, and the notebooks can
 # run beside one half (two lanes side by side, each with its own OUT):
@@ -232,9 +235,9 @@ bench() {
       graphsites) bench_item "$item" $c --name llama1b_graphsites --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
                     --timeout 140 --root $root --cases bare_nocompile,nv_graphs,nv_graphs_residgraphs ;;
       compiled) bench_item "$item" $c --name llama1b_compiled --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
-                  --timeout 200 --root $root --cases bare_graphs,nv_graphs,nv_graphs_compiled,nv_graphs_compiled_residgraphs ;;
+                  --timeout 200 --root $root --cases ${BENCH_CASES:-bare_graphs,nv_graphs_compiled,nv_graphs_compiled_residgraphs,nv_graphs} ;;
       split) bench_item "$item" $c --name llama1b_split --shape llama1b --prompts 64 --tokens 128 --repeats 8 \
-               --timeout 300 --root $root --cases nv_split,nv_split_profile ;;
+               --timeout 300 --root $root --cases ${BENCH_CASES:-nv_split,nv_split_profile} ;;
       fp32) bench_item "$item" "$PY" benchmarks/fp32_gpu.py --jobs 4 --timeout 200 ;;
       profile) bench_item "$item" "$PY" benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 \
                  --budget 8GB --root $root ;;
