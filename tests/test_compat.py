@@ -203,3 +203,39 @@ def test_the_graph_switches_read_1_or_0_and_refuse_anything_else(monkeypatch):
             fn()
     monkeypatch.setenv("NNVLLM_CUDA_GRAPHS", "1")
     assert default_cuda_graphs() is True
+
+
+@pytest.mark.parametrize("source, kept, left", [
+    # the collecting idiom: bound, then appended to under tracer.iter
+    ("steps = list().save()\nfor _ in tracer.iter[:3]:\n    steps.append(h[0].output)", {"tracer", "h"}, {"steps"}),
+    ("out = h[0].output\nout[:] = 0", {"h"}, {"out"}),
+    ("a, (b, *c) = f()\nprint(a, b, c)", {"f"}, {"a", "b", "c"}),
+    ("import torch as t\nx = t.zeros(1)", set(), {"t", "x"}),
+    ("for p in ps:\n    with tracer.invoke(p):\n        got = list().save()\n        got.append(p)", {"ps", "tracer"},
+     {"got", "p"}),
+    ("if c:\n    z = 1\nelse:\n    z = 2\nprint(z)", {"c"}, {"z"}),
+    ("with open(f) as fh:\n    d = fh.read()", {"f"}, {"fh", "d"}),
+    ("try:\n    e = 1\nexcept E as err:\n    print(err)\nprint(e)", {"E", "e"}, {"err"}),
+    # read first (here, in an earlier iteration, after a loop that may not run, or inside a lambda
+    # written before the binding): ships
+    ("for i in r:\n    if i:\n        print(acc)\n    acc = i", {"r", "acc"}, {"i"}),
+    ("for x in r:\n    y = x\nprint(y)", {"r", "y"}, {"x"}),
+    ("x = x + 1", {"x"}, set()),
+    ("n += 1\ny = n", {"n"}, {"y"}),
+    ("for _ in r:\n    acc.append(1)\nacc = []", {"r", "acc"}, set()),
+    ("g = lambda: v\nv = 1\ng()", {"v"}, {"g"}),
+    # bound only on some paths, or unbound again: ships
+    ("if c:\n    z = 1\nprint(z)", {"c", "z"}, set()),
+    ("w = 1\ndel w\nprint(w)", {"w"}, set()),
+    ("q: int\nprint(q)", {"q"}, set()),
+])
+def test_a_trace_block_ships_only_the_names_it_may_read_before_binding(source, kept, left):
+    from nnsight.intervention import serialization
+
+    _compat.trace_blocks_ship_only_what_they_read()
+    _compat.trace_blocks_ship_only_what_they_read()  # idempotent
+    names = serialization._referenced_names(source)
+    assert kept <= names, (kept - names)
+    assert not (left & names), (left & names)
+    if "steps" in left:  # nnsight's own rule ships every name the block reads, the rebound ones too
+        assert "steps" in serialization._referenced_names.__wrapped__(source)

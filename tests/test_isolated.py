@@ -117,6 +117,14 @@ def test_values_saved_above_the_invokes_come_back_from_an_isolated_engine(iso):
     test_values_saved_above_several_invokes(iso)
 
 
+def test_a_trace_leaves_behind_what_its_block_assigns_before_reading_on_an_isolated_engine(iso, toy_path, fidelity):
+    """The client ships the trace block to the server, which ships each invoke on to the engine: a name
+    the block assigns before reading it travels neither way."""
+    from test_vllm import test_a_trace_leaves_behind_what_its_block_assigns_before_reading
+
+    test_a_trace_leaves_behind_what_its_block_assigns_before_reading(iso, toy_path, fidelity)
+
+
 def test_patch_reads_both_forms_of_saved_pairs(iso):
     """One cell (one invoke: a tensor) and several (a list) give the same numbers for the same cell."""
     one = nv.patch(iso, CLEAN, CORRUPT, " Paris", " Rome", layers=[0], positions=[3], progress=False)

@@ -238,6 +238,30 @@ def _late_read(model, steps):
     return out
 
 
+def test_a_trace_leaves_behind_what_its_block_assigns_before_reading(toy, toy_path, fidelity):
+    """A name the block assigns before reading it (``got = list().save()``, then ``got.append``) does
+    not travel with the trace: a value left under that name by earlier code (here one that cannot be
+    pickled, a lock) neither breaks nor slows the trace, and the trace reads what transformers
+    computes. A name the block reads before assigning (``scale``) travels as before."""
+    import threading
+
+    prompts, steps = [PROMPT, "Paris is the capital of"], 3
+    h = toy.transformer.h
+    got = threading.Lock()  # as a notebook's earlier cell may leave it; pickling it raises
+    scale = 2.0
+    with toy.trace(temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+        for p in prompts:
+            with tracer.invoke(p):
+                got = list().save()
+                for _ in tracer.iter[:steps]:
+                    got.append(torch.stack([h[i].output.clone() * scale for i in range(len(h))]).cpu())
+    run = nv.generate(toy, prompts, max_tokens=steps, ignore_eos=True)
+    hf = fidelity.reference(toy_path, prompts, tokens=run.tokens)
+    for i in range(len(prompts)):
+        read = torch.cat(got[i], dim=1) / scale
+        hf.check(read, 1e-3, lambda r, i=i: r.resid[i], f"trace resid[{i}]")
+
+
 def test_a_trace_of_every_step_reads_and_edits_what_nv_generate_captures(toy, tp):
     """A trace that reads every block's output at every generated step reads what ``nv.generate``
     captures (``run.resid``); one that adds a vector to block 1's output at every step generates what

@@ -24,6 +24,7 @@ def _start(model: str | os.PathLike | None, *, mode: str, **engine_args: Any):
     from . import _other_in_process_engines
 
     _compat.check_versions()
+    _compat.trace_blocks_ship_only_what_they_read()
     open_ = _other_in_process_engines(None)
     if open_ and mode == "sync":
         # vLLM keeps its distributed state (process groups) per process: closing either of two
