@@ -220,6 +220,7 @@ def test_the_graph_switches_read_1_or_0_and_refuse_anything_else(monkeypatch):
     # written before the binding): ships
     ("for i in r:\n    if i:\n        print(acc)\n    acc = i", {"r", "acc"}, {"i"}),
     ("for x in r:\n    y = x\nprint(y)", {"r", "y"}, {"x"}),
+    ("for d[k] in r:\n    pass\nd, k = 1, 2", {"d", "k"}, set()),
     ("x = x + 1", {"x"}, set()),
     ("n += 1\ny = n", {"n"}, {"y"}),
     ("for _ in r:\n    acc.append(1)\nacc = []", {"r", "acc"}, set()),

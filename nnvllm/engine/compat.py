@@ -405,7 +405,7 @@ def _read_early(body: list, bound: set[str]) -> tuple[set[str], set[str]]:
     bound, early = set(bound), set()
     for stmt in body:
         if isinstance(stmt, (ast.For, ast.AsyncFor)):
-            early |= _reads(stmt.iter, bound)
+            early |= _reads(stmt.iter, bound) | _reads(stmt.target, bound)  # (a target `d[k]` reads d and k)
             early |= _read_early(stmt.body, bound | _stored(stmt.target))[0] | _read_early(stmt.orelse, bound)[0]
         elif isinstance(stmt, ast.While):
             early |= _reads(stmt.test, bound) | _read_early(stmt.body, bound)[0] | _read_early(stmt.orelse, bound)[0]
