@@ -12,7 +12,7 @@ invoke per prompt, every block's output stacked at every step::
 It runs "fresh" (``steps`` unbound in the calling scope, as in a cell's first run) and "again"
 (``steps`` still holding the previous run's result, as in a cell run a second time), under nnsight's
 own rule (every name the block reads travels, ``steps`` too) and under nnvllm's
-(:func:`nnvllm.engine.compat.trace_blocks_ship_only_what_they_read`: a name the block assigns before
+(:func:`nnvllm.engine.trace_payload.trace_blocks_ship_only_what_they_read`: a name the block assigns before
 reading it stays behind), in turns. Prints each median and the ratios; records them as the run
 ``<prompts>x<tokens>`` of ``benchmarks/results/trace_rerun_<machine>.json`` (or ``--out``).
 """

@@ -233,8 +233,10 @@ def test_the_graph_switches_read_1_or_0_and_refuse_anything_else(monkeypatch):
 def test_a_trace_block_ships_only_the_names_it_may_read_before_binding(source, kept, left):
     from nnsight.intervention import serialization
 
-    _compat.trace_blocks_ship_only_what_they_read()
-    _compat.trace_blocks_ship_only_what_they_read()  # idempotent
+    from nnvllm.engine.trace_payload import trace_blocks_ship_only_what_they_read
+
+    trace_blocks_ship_only_what_they_read()
+    trace_blocks_ship_only_what_they_read()  # idempotent
     names = serialization._referenced_names(source)
     assert kept <= names, (kept - names)
     assert not (left & names), (left & names)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 __all__ = ["PRIVATE_SURFACE", "SKIP_ENV", "SUPPORTED_NNSIGHT", "SUPPORTED_VLLM", "Touch", "bind_stores_to_loopback",
            "check_versions", "engine_core_by_fork", "missing_private_names",
-           "shorter_busy_loop", "trace_blocks_ship_only_what_they_read", "transformers_classes_kept"]
+           "shorter_busy_loop", "transformers_classes_kept"]
 
 SKIP_ENV = "NNVLLM_SKIP_VERSION_CHECK"
 
@@ -368,121 +368,6 @@ def shorter_busy_loop(seconds: float = CPU_BUSY_LOOP_S) -> None:
         init.__defaults__ = (*init.__defaults__[:-1], float(seconds))
 
 
-# ---------------------------------------------------------------- what a trace block ships
-
-def _stored(target) -> set[str]:
-    """The names an assignment target binds (an attribute or a subscript binds none)."""
-    import ast
-
-    if isinstance(target, ast.Name):
-        return {target.id}
-    if isinstance(target, (ast.Tuple, ast.List)):
-        return set().union(set(), *(_stored(t) for t in target.elts))
-    if isinstance(target, ast.Starred):
-        return _stored(target.value)
-    return set()
-
-
-def _reads(node, bound: set[str]) -> set[str]:
-    """The names ``node`` reads anywhere inside it (lambdas, comprehensions, nested ``def``s included),
-    less ``bound``."""
-    import ast
-
-    names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, (ast.Load, ast.Del))}
-    names |= {n.target.id for n in ast.walk(node) if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name)}
-    return names - bound
-
-
-def _read_early(body: list, bound: set[str]) -> tuple[set[str], set[str]]:
-    """``(names body may read before it has bound them, names bound whenever body runs to its end)``,
-    for statements run in order with ``bound`` already bound.
-
-    Conservative: a loop's, a ``with``'s or a ``try``'s own bindings hold only inside it, an ``if``
-    binds what both branches bind, and any other compound statement counts every name it reads.
-    """
-    import ast
-
-    bound, early = set(bound), set()
-    for stmt in body:
-        if isinstance(stmt, (ast.For, ast.AsyncFor)):
-            early |= _reads(stmt.iter, bound) | _reads(stmt.target, bound)  # (a target `d[k]` reads d and k)
-            early |= _read_early(stmt.body, bound | _stored(stmt.target))[0] | _read_early(stmt.orelse, bound)[0]
-        elif isinstance(stmt, ast.While):
-            early |= _reads(stmt.test, bound) | _read_early(stmt.body, bound)[0] | _read_early(stmt.orelse, bound)[0]
-        elif isinstance(stmt, ast.If):
-            (e1, b1), (e2, b2) = _read_early(stmt.body, bound), _read_early(stmt.orelse, bound)
-            early |= _reads(stmt.test, bound) | e1 | e2
-            bound |= b1 & b2
-        elif isinstance(stmt, (ast.With, ast.AsyncWith)):
-            inner = set(bound)
-            for item in stmt.items:
-                early |= _reads(item.context_expr, inner)
-                if item.optional_vars is not None:
-                    early |= _reads(item.optional_vars, inner)
-                    inner |= _stored(item.optional_vars)
-            early |= _read_early(stmt.body, inner)[0]
-        elif isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":
-            for part in (stmt.body, stmt.orelse, stmt.finalbody):
-                early |= _read_early(part, bound)[0]
-            for handler in stmt.handlers:
-                if handler.type is not None:
-                    early |= _reads(handler.type, bound)
-                early |= _read_early(handler.body, bound | ({handler.name} if handler.name else set()))[0]
-        else:
-            early |= _reads(stmt, bound)
-            if isinstance(stmt, ast.Assign):
-                for target in stmt.targets:
-                    bound |= _stored(target)
-            elif isinstance(stmt, (ast.AnnAssign, ast.AugAssign)) and stmt.value is not None:
-                bound |= _stored(stmt.target)
-            elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
-                bound |= {(a.asname or a.name).split(".")[0] for a in stmt.names if a.name != "*"}
-            elif isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                bound.add(stmt.name)
-            elif isinstance(stmt, ast.Delete):
-                bound -= {t.id for t in stmt.targets if isinstance(t, ast.Name)}
-    return early, bound
-
-
-def _rebound_first(source: str) -> set[str]:
-    """Names the block ``source`` binds, and never reads before binding them on any path."""
-    import ast
-
-    tree = ast.parse(source)
-    stored = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    stored |= {(a.asname or a.name).split(".")[0] for n in ast.walk(tree)
-               if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names if a.name != "*"}
-    stored |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef,
-                                                                ast.ExceptHandler)) and n.name}
-    return stored - _read_early(tree.body, set())[0]
-
-
-def trace_blocks_ship_only_what_they_read() -> None:
-    """Make a trace block's payload leave out the names the block assigns before it reads them
-    (process-wide; idempotent).
-
-    nnsight ships, with every invoke, the value each name the block reads has in the enclosing scope
-    when the trace runs, including a name the block assigns before it reads it. The collecting idiom
-    ``steps = list().save()`` then ``steps.append(...)`` under ``tracer.iter`` reads ``steps``, so a
-    notebook cell run a second time sends the previous run's ``steps`` (every invoke's) along with
-    every invoke: the payload grows with the square of the prompts, and the block overwrites the value
-    before reading it. Such names stay behind; any name the block may read before binding it ships
-    as before. Touches nnsight's ``nnsight.intervention.serialization._referenced_names``.
-    """
-    from nnsight.intervention import serialization
-
-    read = serialization._referenced_names
-    if getattr(read, "_nnvllm", False):
-        return
-
-    def referenced_names(source: str) -> set[str]:
-        return read(source) - _rebound_first(source)
-
-    referenced_names._nnvllm = True
-    referenced_names.__wrapped__ = read
-    serialization._referenced_names = referenced_names
-
-
 # ---------------------------------------------------------------- the private surface, in one list
 
 
@@ -526,7 +411,7 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
           "nnsight's worker RPCs (collect_nnsight, ...)"),
     Touch("nnsight.modeling.vllm.model_runners.GPUModelRunner", "NNsightGPUModelRunner", "worker/gpu.py, worker/cpu.py",
           "nnsight's runner, under nnvllm's recording runner"),
-    Touch("nnsight.intervention.serialization", "_referenced_names", "compat.py",
+    Touch("nnsight.intervention.serialization", "_referenced_names", "trace_payload.py",
           "a trace block's payload leaves out names it assigns before reading"),
     Touch("nnsight.tracing.globals", "SOURCES", "server.py", "cleared per request (stale invoke bodies)"),
     Touch("nnsight.tracing.globals", "BLOCKS", "server.py", "cleared per request (stale invoke bodies)"),
