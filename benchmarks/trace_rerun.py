@@ -50,36 +50,23 @@ def main() -> None:
     n, T = len(blocks), args.tokens
     prompts = [f"Prompt number {i} says that the capital of France is" for i in range(args.prompts)]
 
-    def trace():
-        with model.trace(temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:
-            for p in prompts:
-                with tracer.invoke(p):
-                    steps = list().save()
-                    for _ in tracer.iter[:T]:
-                        outs = [blocks[i].output for i in range(n)]  # each block's output read once
-                        steps.append(torch.stack([o[0] if isinstance(o, tuple) else o for o in outs]))
-        return steps
-
     times: dict[str, list[float]] = {f"{r} {w}": [] for r in rules for w in ("fresh", "again")}
     for rep in range(args.repeats + 1):  # the first round warms up and is not kept
         for rule, fn in rules.items():
             serialization._referenced_names = fn
-            t = time.perf_counter()
-            steps = trace()  # "fresh": no `steps` in this scope yet
-            fresh = time.perf_counter() - t
-            t = time.perf_counter()
-            with model.trace(temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:  # "again"
-                for p in prompts:
-                    with tracer.invoke(p):
-                        steps = list().save()
-                        for _ in tracer.iter[:T]:
-                            outs = [blocks[i].output for i in range(n)]  # each block's output read once
-                            steps.append(torch.stack([o[0] if isinstance(o, tuple) else o for o in outs]))
-            again = time.perf_counter() - t
-            del steps
-            if rep:
-                times[f"{rule} fresh"].append(fresh)
-                times[f"{rule} again"].append(again)
+            steps = None
+            del steps  # "fresh": no `steps` in this scope, as in a cell's first run
+            for when in ("fresh", "again"):  # "again": `steps` holds the fresh run's result
+                t = time.perf_counter()
+                with model.trace(temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:
+                    for p in prompts:
+                        with tracer.invoke(p):
+                            steps = list().save()
+                            for _ in tracer.iter[:T]:
+                                outs = [blocks[i].output for i in range(n)]  # each block's output read once
+                                steps.append(torch.stack([o[0] if isinstance(o, tuple) else o for o in outs]))
+                if rep:
+                    times[f"{rule} {when}"].append(time.perf_counter() - t)
     serialization._referenced_names = rules["nnvllm"]
     model.close()
 
