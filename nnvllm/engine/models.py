@@ -306,6 +306,17 @@ def _buildmodel_classes():
             model_lock(self)  # one call drives an in-process engine at a time (transport.EngineLock)
             return module
 
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            from .trace_payload import envoys_by_reference
+
+            envoys_by_reference(self)
+
+        def _remoteable_persistent_objects(self) -> dict:
+            from .trace_payload import envoy_ids
+
+            return {**super()._remoteable_persistent_objects(), **envoy_ids(self)}
+
         def trace(self, *inputs: Any, **kwargs: Any):
             # The trace holds an in-process engine from building its invokes to collecting its saves
             # (transport.EngineLock): two threads tracing one engine corrupted it.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ast
 
-__all__ = ["trace_blocks_ship_only_what_they_read"]
+__all__ = ["envoy_ids", "envoys_by_reference", "trace_blocks_ship_only_what_they_read"]
 
 
 def _stored(target) -> set[str]:
@@ -116,3 +116,21 @@ def trace_blocks_ship_only_what_they_read() -> None:
     referenced_names._nnvllm = True
     referenced_names.__wrapped__ = read
     serialization._referenced_names = referenced_names
+
+
+def envoy_ids(model) -> dict:
+    """``{"Envoy:<path>": envoy}`` for every envoy of ``model``'s tree but the root: what a process that
+    runs trace blocks resolves the ids :func:`envoys_by_reference` gives to."""
+    return {f"Envoy:{e.path}": e for e in model.modules() if e is not model}
+
+
+def envoys_by_reference(model) -> None:
+    """Send ``model``'s envoys (all but the root) by path, not by value, in trace payloads.
+
+    nnsight pickles the envoy tree a block reaches (through ``model``, every module's envoy) by value
+    with every invoke, the modules inside it by reference; the engine side rebuilds a copy over its
+    own modules. Its own envoys, at the same paths, are the same thing: the trees are built from the
+    same vLLM model class, which nnsight's ``Module:<path>`` ids already rely on.
+    """
+    for path, envoy in envoy_ids(model).items():
+        envoy.__dict__["_persistent_id"] = path

@@ -31,6 +31,9 @@ class RecordingRunner:
 
         dump_stacks_if_asked()  # (NNVLLM_STACKS: where a stuck worker waits, see docs/engines.md)
         super().load_model(*args, **kwargs)
+        from ..trace_payload import envoy_ids
+
+        self.nnsight_persistent_objects.update(envoy_ids(self.nnsight_model))  # (trace_payload.envoys_by_reference)
         self.nnvllm_install()  # before vLLM records its CUDA graphs (capture_model comes later)
         sweep_stale()
         watch_server()
