@@ -116,3 +116,28 @@ def test_family_blocks_share_no_activation_module(fam):
     blocks = model._module.get_submodule(model.arch.blocks)
     acts = [b.get_submodule("mlp.act" if kind == "gpt_neox" else "mlp.act_fn") for b in blocks]
     assert len({id(a) for a in acts}) == len(acts), kind
+
+
+def _envoy_ids_in_the_workers(worker) -> list[str]:
+    return sorted(k for k in worker.model_runner.nnsight_persistent_objects if k.startswith("Envoy:"))
+
+
+def test_family_trace_names_envoys_the_engine_has(fam, fidelity):
+    """A trace sends the model's envoys as ``Envoy:<path>`` ids (nnvllm.engine.trace_payload): every
+    rank's worker has an envoy at each of those paths, and a trace that reaches a block through one
+    reads the residual stream transformers computes there."""
+    from nnvllm.engine.trace_payload import envoy_ids
+
+    kind, path, model = fam
+    for ids in model.llm.collective_rpc(_envoy_ids_in_the_workers):
+        assert ids == sorted(envoy_ids(model)), kind
+    blocks = model
+    for part in model.arch.blocks.split("."):
+        blocks = getattr(blocks, part)
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=1):
+        out = blocks[1].output
+        stream = (out[0] + out[1] if isinstance(out, tuple) and len(out) == 2 and out[1] is not None
+                  else out[0] if isinstance(out, tuple) else out).clone().save()
+    stream = stream.cpu().reshape(-1, stream.shape[-1])  # (the Transformers backend's [1, tokens, width])
+    hf = fidelity.reference(path, PROMPTS[:1], max_tokens=1, ignore_eos=True)
+    hf.check(stream, 1e-3, lambda r: r.resid[0][1][: stream.shape[0]], f"{kind} block 1 read in a trace")
