@@ -119,6 +119,28 @@ def test_column_parallel_intervention_covers_full_width_and_changes_the_token(to
     hf.check(patched[0], 1e-3, what="logits after zeroing c_fc columns")
 
 
+def test_an_edit_installed_on_the_engine_runs_for_every_request(toy, toy_path, fidelity):
+    """nnsight's ``model.edit`` sends its block to the engine, which runs it for every request after
+    (its envoys travel as ids, nnvllm.engine.trace_payload): a trace that edits nothing itself reads
+    the logits transformers computes with the same columns zeroed by a hook, and ``clear_edits``
+    brings the clean logits back."""
+    cols = (32, 224)
+    clean = nv.generate(toy, PROMPT, max_tokens=1, layers=None)
+    with toy.edit(name="zero_cfc"):
+        out = toy.transformer.h[0].mlp.c_fc.output[0]
+        out[:, cols[0]:cols[1]] = 0
+    try:
+        with toy.trace(PROMPT, temperature=0.0, max_tokens=1):
+            edited = toy.logits.clone().save()
+    finally:
+        toy.clear_edits()
+    with toy.trace(PROMPT, temperature=0.0, max_tokens=1):
+        after = toy.logits.clone().save()
+    hf = fidelity.calibrated(lambda device: _zero_cfc_reference(toy_path, cols, device))
+    hf.check(edited.cpu()[0], 1e-3, what="logits under an installed edit")
+    assert (after.cpu()[0] - clean.logits[0][0]).abs().max() < 1e-4
+
+
 @pytest.mark.tp
 def test_tp_activations_agree_with_transformers(toy, toy_path, tp, fidelity):
     """Under --tp N every captured quantity still matches the single-device reference."""
