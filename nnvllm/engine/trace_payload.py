@@ -1,9 +1,11 @@
-"""What a trace block sends to the engine: the names it reads from the scope around it, less those it
-assigns before reading them (docs/engines.md, "What a trace sends to the engine").
+"""What a trace block sends to the engine (docs/engines.md, "What a trace sends to the engine").
 
-nnsight sends each invoke's code as source with the values of the names it reads
-(``nnsight.intervention.serialization.code_reduce``); :func:`trace_blocks_ship_only_what_they_read`
-narrows that set, in every process that sends trace blocks (engine processes and isolated clients).
+nnsight sends each invoke's code as source with the values of the names it reads from the scope
+around it (``nnsight.intervention.serialization.code_reduce``), the model's envoy tree among them.
+Two things here make that payload smaller: :func:`trace_blocks_ship_only_what_they_read` leaves out
+the names a block assigns before reading them (installed in every process that sends trace blocks:
+engine processes and isolated clients), and :func:`envoys_by_reference` sends the envoys as
+``Envoy:<path>`` ids that the engine resolves to its own (:func:`envoy_ids`).
 """
 
 from __future__ import annotations
