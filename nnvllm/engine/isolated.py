@@ -42,7 +42,6 @@ from typing import Any
 __all__ = ["EngineDied", "RemoteEngine", "start", "attach", "tree_rss"]
 
 from .launch import _cause, _describe_exit, _log_report, _Server, _tail  # noqa: F401 (tests import them from here)
-from .trace_payload import trace_blocks_ship_only_what_they_read
 from .procs import CALL_HEADER, ENGINE_DIED, TOKEN_HEADER, Interrupted, real_stdout, tree_rss  # stdlib-only at import
 
 _CONNECT_TIMEOUT = 10.0
@@ -484,7 +483,6 @@ def _check_json(engine_args: dict) -> None:
 
 def _meta_model(cls, checkpoint: str, engine_args: dict):
     """Build the client's meta-only model (never dispatched) and close its torch TCPStore."""
-    trace_blocks_ship_only_what_they_read()
     with real_stdout():
         model = cls(checkpoint, **engine_args)
     if getattr(model, "_owns_distributed", False):

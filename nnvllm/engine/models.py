@@ -19,6 +19,7 @@ from typing import Any
 from ..arch import Arch, arch_for, untie_shared_modules
 from . import compat as _compat
 from .procs import check_sleep
+from .trace_payload import envoy_ids, envoys_by_reference, trace_blocks_ship_only_what_they_read
 
 # 256 MiB: the toy model needs 3 KiB of KV cache per token (6 layers x K,V x 64 x fp32), so this
 # holds ~87k tokens; the engine starts without sizing the cache from the NUMA node (docs/engines.md
@@ -307,14 +308,13 @@ def _buildmodel_classes():
             return module
 
         def __init__(self, *args: Any, **kwargs: Any):
+            # Every process that builds one (in-process, an isolated client, its server) sends trace
+            # blocks: they carry only what they read, and the envoys as ids (trace_payload).
+            trace_blocks_ship_only_what_they_read()
             super().__init__(*args, **kwargs)
-            from .trace_payload import envoys_by_reference
-
             envoys_by_reference(self)
 
         def _remoteable_persistent_objects(self) -> dict:
-            from .trace_payload import envoy_ids
-
             return {**super()._remoteable_persistent_objects(), **envoy_ids(self)}
 
         def trace(self, *inputs: Any, **kwargs: Any):

@@ -11,7 +11,6 @@ from typing import Any
 from ..arch import arch_for
 from . import compat as _compat
 from .heap import _start_collections
-from .trace_payload import trace_blocks_ship_only_what_they_read
 from .models import _cpu_environment, _resolve, cpu_defaults, has_cuda, model_classes
 from .procs import real_stdout
 
@@ -25,7 +24,6 @@ def _start(model: str | os.PathLike | None, *, mode: str, **engine_args: Any):
     from . import _other_in_process_engines
 
     _compat.check_versions()
-    trace_blocks_ship_only_what_they_read()
     open_ = _other_in_process_engines(None)
     if open_ and mode == "sync":
         # vLLM keeps its distributed state (process groups) per process: closing either of two

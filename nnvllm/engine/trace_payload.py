@@ -3,8 +3,8 @@
 nnsight sends each invoke's code as source with the values of the names it reads from the scope
 around it (``nnsight.intervention.serialization.code_reduce``), the model's envoy tree among them.
 Two things here make that payload smaller: :func:`trace_blocks_ship_only_what_they_read` leaves out
-the names a block assigns before reading them (installed in every process that sends trace blocks:
-engine processes and isolated clients), and :func:`envoys_by_reference` sends the envoys as
+the names a block assigns before reading them (installed wherever nnvllm's model class is built:
+an in-process engine, an isolated client and its server), and :func:`envoys_by_reference` sends the envoys as
 ``Envoy:<path>`` ids that the engine resolves to its own (:func:`envoy_ids`).
 """
 
