@@ -242,3 +242,54 @@ def test_a_trace_block_ships_only_the_names_it_may_read_before_binding(source, k
     assert not (left & names), (left & names)
     if "steps" in left:  # nnsight's own rule ships every name the block reads, the rebound ones too
         assert "steps" in serialization._referenced_names.__wrapped__(source)
+
+
+def test_saved_tensors_travel_as_bytes_and_arrive_as_nnsight_sends_them():
+    """nnsight's save pickler (the worker's, when a request ends) with nnvllm's reduction
+    (nnvllm.engine.trace_saves) gives back, for every kind of tensor a trace may save, what nnsight's
+    own reduction gives back: dtype, shape, device, values; a view of a larger storage arrives as a
+    copy of itself either way, one object saved twice stays one, and what the raw bytes cannot carry
+    (a subclass, grad) goes through nnsight's own reduction."""
+    import pickle
+
+    import torch
+    from nnsight.modeling.vllm import collect
+
+    from nnvllm.engine.trace_saves import saves_travel_as_bytes
+
+    def raw(t):  # every element's bytes, in order
+        return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+
+    saves_travel_as_bytes()
+    saves_travel_as_bytes()  # idempotent
+    ours = collect._CompactPickler.reducer_override
+    assert ours.__wrapped__ is not ours
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(64, 16, generator=g)
+    values = {"row": rows[3], "turned": torch.randn(3, 4, generator=g).T, "scalar": torch.tensor(5),
+              "empty": torch.empty(0, 3), "bf16": torch.randn(2, 3, generator=g).bfloat16(),
+              "f8": rows[5:7].to(torch.float8_e4m3fn), "ids": torch.arange(7)[2:5], "mask": rows[0] > 0,
+              "conj": torch.randn(2, dtype=torch.complex64, generator=g).conj(),
+              "neg": -torch.randn(2, dtype=torch.complex64, generator=g).conj(),
+              "param": torch.nn.Parameter(torch.ones(2)), "grad": torch.randn(3, requires_grad=True)}
+    values["row again"] = values["row"]
+    sent = {}
+    for way, reduce in (("nnsight", ours.__wrapped__), ("nnvllm", ours)):
+        # (torch's own pickling of a float8 storage does not load back: "UntypedStorage has no dtype")
+        kept = {k: v for k, v in values.items() if way == "nnvllm" or v.dtype != torch.float8_e4m3fn}
+        collect._CompactPickler.reducer_override = reduce
+        try:
+            data = collect.dumps_compact(kept)
+        finally:
+            collect._CompactPickler.reducer_override = ours
+        sent[way] = (len(data), pickle.loads(data))
+    assert sent["nnvllm"][0] < sent["nnsight"][0]  # (torch's pickling writes a whole archive a tensor)
+    for way, (_, got) in sent.items():
+        for name, arrived in got.items():
+            value = values[name]
+            assert type(arrived) is type(value) and arrived.dtype == value.dtype, (way, name)
+            assert arrived.shape == value.shape and arrived.device == value.device, (way, name)
+            assert arrived.requires_grad == value.requires_grad, (way, name)
+            assert torch.equal(raw(arrived), raw(value)), (way, name)
+            assert arrived.untyped_storage().nbytes() == value.numel() * value.element_size(), (way, name)
+        assert got["row again"] is got["row"], way

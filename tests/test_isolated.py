@@ -125,6 +125,14 @@ def test_a_trace_leaves_behind_what_its_block_assigns_before_reading_on_an_isola
     test_a_trace_leaves_behind_what_its_block_assigns_before_reading(iso, toy_path, fidelity)
 
 
+def test_a_traces_saved_tensors_come_back_from_an_isolated_engine(iso, toy_path, fidelity):
+    """The server's engine unpickles what the worker wrote as raw bytes (nnvllm.engine.trace_saves)
+    and sends the saves on to the client: they arrive as transformers computes them."""
+    from test_vllm import _saved_tensors_arrive_as_transformers_computes_them
+
+    _saved_tensors_arrive_as_transformers_computes_them(iso, toy_path, fidelity)
+
+
 def test_patch_reads_both_forms_of_saved_pairs(iso):
     """One cell (one invoke: a tensor) and several (a list) give the same numbers for the same cell."""
     one = nv.patch(iso, CLEAN, CORRUPT, " Paris", " Rome", layers=[0], positions=[3], progress=False)

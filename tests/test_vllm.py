@@ -284,6 +284,56 @@ def test_a_trace_leaves_behind_what_its_block_assigns_before_reading(toy, toy_pa
         hf.check(read, 1e-3, lambda r, i=i: r.resid[i], f"trace resid[{i}]")
 
 
+def _saves_travel_as_bytes_in_the_worker(worker) -> bool:
+    from nnsight.modeling.vllm import collect
+
+    return getattr(collect._CompactPickler.reducer_override, "_nnvllm", False)
+
+
+def test_a_traces_saved_tensors_come_back_as_transformers_computes_them(toy, toy_path, fidelity):
+    """Every worker writes a trace's saved tensors back as raw bytes (nnvllm.engine.trace_saves), and
+    what arrives is what transformers computes: a block's output (a view into the step's rows), a
+    transposed view of it, a half-precision copy, an empty slice, a 0-dim maximum, the sampled ids,
+    a boolean mask, one tensor under two names (still one object), and a list of every block's output
+    at every step."""
+    assert all(toy.llm.collective_rpc(_saves_travel_as_bytes_in_the_worker))
+    _saved_tensors_arrive_as_transformers_computes_them(toy, toy_path, fidelity)
+
+
+def _saved_tensors_arrive_as_transformers_computes_them(toy, toy_path, fidelity):
+    prompts, steps = [PROMPT, "Paris is the capital of"], 3
+    h = toy.transformer.h
+    with toy.trace(temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+        for p in prompts:
+            with tracer.invoke(p):
+                every = list().save()
+                ids = list().save()
+                for step in tracer.iter[:steps]:
+                    every.append([h[i].output[0] if isinstance(h[i].output, tuple) else h[i].output
+                                  for i in range(len(h))])
+                    if step == 0:
+                        first = every[0][2].save()
+                        again = first.save()
+                        turned = first.T.save()
+                        half = first.half().save()
+                        none = first[:0].save()
+                        mask = (first > 0).save()
+                        top = toy.logits.max().save()
+                    ids.append(toy.samples)
+    run = nv.generate(toy, prompts, max_tokens=steps, ignore_eos=True)
+    hf = fidelity.reference(toy_path, prompts, tokens=run.tokens)
+    for i in range(len(prompts)):  # (a name each invoke binds comes back as a list, one per invoke)
+        read = torch.stack([torch.cat([s[b] for s in every[i]]) for b in range(len(h))]).cpu()
+        hf.check(read, 1e-3, lambda r, i=i: r.resid[i], f"trace resid[{i}]")
+        assert [int(x.flatten()[0]) for x in ids[i]] == run.tokens[i]
+        assert again[i] is first[i] and torch.equal(first[i], every[i][0][2])
+        assert torch.equal(turned[i], first[i].T) and turned[i].shape == first[i].T.shape
+        assert half[i].dtype == torch.float16 and torch.equal(half[i], first[i].half())
+        assert none[i].shape == (0, first[i].shape[1]) and none[i].dtype == first[i].dtype
+        assert top[i].dim() == 0 and abs(float(top[i]) - float(run.logits[i][0].max())) < 1e-4
+        assert torch.equal(mask[i], first[i] > 0)
+
+
 def test_a_trace_of_every_step_reads_and_edits_what_nv_generate_captures(toy, tp):
     """A trace that reads every block's output at every generated step reads what ``nv.generate``
     captures (``run.resid``); one that adds a vector to block 1's output at every step generates what

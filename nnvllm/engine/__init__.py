@@ -11,10 +11,10 @@ The rooms of this floor: :mod:`.models` (the model classes and engine arguments)
 (starting an engine in this process), :mod:`.transport` (the one contract every verb calls, and its
 in-process transport), :mod:`.isolated` and :mod:`.server` (the engine in its own process),
 :mod:`.compat` (the supported versions and every private name of vLLM and nnsight relied on),
-:mod:`.trace_payload` (what a trace block sends to the engine), :mod:`.procs` (process helpers), and
-:mod:`.worker` (what runs inside vLLM's worker: taps, per-step placement, the shared-memory hand-off,
-the runner and worker classes). Only this floor and
-:mod:`nnvllm.reference` import vLLM, nnsight or transformers.
+:mod:`.trace_payload` (what a trace block sends to the engine), :mod:`.trace_saves` (what its saves
+send back), :mod:`.procs` (process helpers), and :mod:`.worker` (what runs inside vLLM's worker:
+taps, per-step placement, the shared-memory hand-off, the runner and worker classes). Only this
+floor and :mod:`nnvllm.reference` import vLLM, nnsight or transformers.
 """
 
 from __future__ import annotations

@@ -419,6 +419,8 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
           "worker/runner.py", "its nnsight_persistent_objects map gains the Envoy:<path> ids"),
     Touch("nnsight.modeling.mixins.remotable", "Remotable._remoteable_persistent_objects", "models.py",
           "an isolated server resolves the Envoy:<path> ids"),
+    Touch("nnsight.modeling.vllm.collect", "_CompactPickler.reducer_override", "trace_saves.py",
+          "a trace's saved tensors travel back as raw bytes"),
     Touch("nnsight.tracing.globals", "SOURCES", "server.py", "cleared per request (stale invoke bodies)"),
     Touch("nnsight.tracing.globals", "BLOCKS", "server.py", "cleared per request (stale invoke bodies)"),
     Touch("nnsight.intervention.errors", "capture_exception", "server.py", "errors back to the client"),

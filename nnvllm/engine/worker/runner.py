@@ -32,8 +32,10 @@ class RecordingRunner:
         dump_stacks_if_asked()  # (NNVLLM_STACKS: where a stuck worker waits, see docs/engines.md)
         super().load_model(*args, **kwargs)
         from ..trace_payload import envoy_ids
+        from ..trace_saves import saves_travel_as_bytes
 
         self.nnsight_persistent_objects.update(envoy_ids(self.nnsight_model))  # (trace_payload.envoys_by_reference)
+        saves_travel_as_bytes()
         self.nnvllm_install()  # before vLLM records its CUDA graphs (capture_model comes later)
         sweep_stale()
         watch_server()
