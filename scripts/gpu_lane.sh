@@ -38,6 +38,9 @@
 #                                    vLLM's default and nv.load's graph engine, 12 calls each
 #                split               capture_gpu.py, where nv.generate's cost over the engine's own generate goes:
 #                                    text vs token-id prompts, tokens only, every layer; then each under cProfile
+#                trace_saves         trace_saves.py, a trace's saved tensors back as raw bytes against torch's
+#                                    pickling, Llama-1B shape 64 x 32 (docs/engines.md, "What a trace sends back")
+#                trace_payload       trace_payload.py, what a trace sends with each invoke, the same shape
 #                fp32                fp32_gpu.py, where fp32 vLLM differs from transformers, layer by layer
 #                profile             profile_collect.py, where a 1,024 x 128 collect spends its time
 #                profile_sae         profile_collect.py --saes 16384, the same for sae_gpu.py's feature dataset
@@ -238,6 +241,10 @@ bench() {
                   --timeout 200 --root $root --cases ${BENCH_CASES:-bare_graphs,nv_graphs_compiled,nv_graphs_compiled_residgraphs,nv_graphs} ;;
       split) bench_item "$item" $c --name llama1b_split --shape llama1b --prompts 64 --tokens 128 --repeats 8 \
                --timeout 300 --root $root --cases ${BENCH_CASES:-nv_split,nv_split_profile} ;;
+      trace_saves|trace_payload)  # (a Llama-1B-shape checkpoint, built as capture_gpu.py builds it)
+        local ckpt
+        ckpt=$("$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, 'benchmarks'); import capture_gpu as cg; print(cg.build('llama1b', Path('$root')))")
+        bench_item "$item" "$PY" benchmarks/$item.py --model "$ckpt" --prompts 64 --tokens 32 --repeats 3 ;;
       fp32) bench_item "$item" "$PY" benchmarks/fp32_gpu.py --jobs 4 --timeout 200 ;;
       profile) bench_item "$item" "$PY" benchmarks/profile_collect.py --shape llama1b --prompts 1024 --tokens 128 \
                  --budget 8GB --root $root ;;
