@@ -11,6 +11,7 @@ an in-process engine, an isolated client and its server), and :func:`envoys_by_r
 from __future__ import annotations
 
 import ast
+import functools
 
 __all__ = ["envoy_ids", "envoys_by_reference", "trace_blocks_ship_only_what_they_read"]
 
@@ -112,8 +113,12 @@ def trace_blocks_ship_only_what_they_read() -> None:
     if getattr(read, "_nnvllm", False):
         return
 
+    @functools.lru_cache(maxsize=256)  # (every invoke of a trace sends the same source: analysed once)
+    def names(source: str) -> frozenset[str]:
+        return frozenset(read(source) - _rebound_first(source))
+
     def referenced_names(source: str) -> set[str]:
-        return read(source) - _rebound_first(source)
+        return set(names(source))
 
     referenced_names._nnvllm = True
     referenced_names.__wrapped__ = read
