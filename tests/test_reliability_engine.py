@@ -451,6 +451,52 @@ def test_what_a_trace_saves_travels_as_data_and_the_rest_is_refused_by_name():
             to_data({"v": [bad]}, "the saved values")
 
 
+def test_a_traces_saves_travel_packed_and_a_packing_that_does_not_fit_is_refused():
+    """An isolated engine's trace reply holds every saved tensor's bytes in one buffer
+    (wire.pack_tensors): read back as data only, each tensor has its dtype, shape and values (a
+    transposed view, a float8 tensor, an empty one, a 0-dim one, bool, complex, bfloat16), one tensor
+    saved under two names is one tensor, a set's tensors and a record's stay in place, and every
+    tensor owns its storage. A packing whose layout does not fit its buffer is refused."""
+    import io
+
+    from nnvllm.engine.wire import Record, UnsafeReply, load_data, pack_tensors, to_data, unpack_tensors
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(4, 3, generator=g)
+    saves = to_data({"h": h, "again": h, "t": torch.randn(3, 2, generator=g).T, "scalar": torch.tensor(3),
+                     "empty": torch.empty(0, 2), "bf16": torch.randn(2, 3, generator=g).bfloat16(), "mask": h > 0,
+                     "c": torch.randn(3, dtype=torch.complex64, generator=g).conj(),
+                     "f8": torch.randn(5, generator=g).to(torch.float8_e4m3fn),
+                     "nested": [torch.arange(9)[2:5], (1, "x", None)], "plain": {1, "a"}}, "the saved values")
+    saves["result"] = Record("RequestOutput", {"token_ids": [5, 6], "h": saves["h"]})
+    saves["set"] = {saves["h"], saves["scalar"]}
+
+    def sent(packed) -> bytes:
+        buf = io.BytesIO()
+        torch.save({"packed_saves": packed}, buf)
+        return buf.getvalue()
+
+    packed = pack_tensors(saves)
+    assert packed["buffer"].dim() == 1 and len(packed["offsets"]) == 9  # (9 distinct tensors)
+    back = unpack_tensors(load_data(sent(packed), "a reply")["packed_saves"], "a reply")
+    for name in ("h", "t", "scalar", "empty", "bf16", "mask", "c", "f8"):
+        want, got = saves[name], back[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got.reshape(-1).view(torch.uint8),
+                           want.resolve_conj().contiguous().reshape(-1).view(torch.uint8)), name
+        assert got.untyped_storage().nbytes() == want.numel() * want.element_size(), name
+    assert back["again"] is back["h"] and back["result"].h is back["h"] and back["result"].token_ids == [5, 6]
+    assert torch.equal(back["nested"][0], torch.tensor([2, 3, 4])) and back["nested"][1] == (1, "x", None)
+    assert back["plain"] == {1, "a"} and back["h"] in back["set"] and len(back["set"]) == 2
+    for key, value, why in (("offsets", packed["offsets"] + 10**6, "runs past the buffer"),
+                            ("codes", packed["codes"] + 99, "out of range"),
+                            ("order", packed["order"] + 99, "does not hold"),
+                            ("buffer", packed["buffer"].float(), "not a 1-D uint8")):
+        bad = dict(packed, **{key: value})
+        with pytest.raises(UnsafeReply, match=rf"a reply is not a packed reply this client reads .*{why}"):
+            unpack_tensors(load_data(sent(bad), "a reply")["packed_saves"], "a reply")
+
+
 # ---------------------------------------------------------------- Ctrl-C on an isolated engine
 
 

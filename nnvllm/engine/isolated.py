@@ -146,7 +146,7 @@ def _serve_backend_class():
     from nnsight.modeling.vllm.serve import http
     from nnsight.modeling.vllm.serve.backend import LocalServeBackend
 
-    from .wire import UnsafeReply, load_data
+    from .wire import UnsafeReply, load_data, unpack_tensors
 
     class KeptAliveServeBackend(LocalServeBackend):
         def _send(self, blob: bytes) -> dict:
@@ -160,6 +160,11 @@ def _serve_backend_class():
             raise_deferred(result.get("error"))
             if isinstance(result.get("notice"), str):  # traced steps that ran eagerly on a graph engine
                 warnings.warn(result["notice"], stacklevel=5)
+            if "packed_saves" in result:  # (nnvllm's server: the tensors in one buffer, wire.pack_tensors)
+                saves = unpack_tensors(result["packed_saves"], what)
+                if not isinstance(saves, dict):
+                    raise UnsafeReply(f"{what} is not a trace's reply (its saves are not a dict); it was refused")
+                return saves
             return result.get("saves", {})
 
     return KeptAliveServeBackend

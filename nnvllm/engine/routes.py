@@ -22,7 +22,7 @@ from .aborts import Calls, ClientLeft, while_client_waits  # (stdlib-only at imp
 from .procs import ENGINE_DIED, TOKEN_HEADER  # (stdlib-only at import)
 from .transport import (ARM, COLLECT, DISARM, PEEK, READOUT, UNEMBED, StreamBook, collect_tokens, eager_notice, pack,  # (stdlib-only at import)
                         plain_output, sampling_params, unpack)
-from .wire import to_data  # (stdlib-only at import)
+from .wire import pack_tensors, to_data  # (stdlib-only at import)
 
 
 def _torch_payload(obj: Any):
@@ -259,9 +259,8 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         if uses_cuda_graphs(model_):  # why traced steps ran eagerly, for the client to say (isolated.py)
             with contextlib.suppress(Exception):
                 notice = eager_notice(await _rpc(engine, "nnvllm_eager_notes", (request_ids,)))
-        if notice:
-            return _torch_payload({"saves": saves, "error": first_error, "notice": notice})
-        return serve._payload(saves, first_error)
+        # The saved tensors travel as one buffer (wire.pack_tensors), not a torch.save record each.
+        return _torch_payload({"packed_saves": pack_tensors(saves), "error": first_error, "notice": notice})
 
     async def capture(request: Request):
         """Arm the capture, run the prompts concurrently, collect: one ``nv.generate``.
