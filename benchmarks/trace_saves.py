@@ -14,6 +14,11 @@ one invoke per prompt, reading every block's output at every step, and keep:
 
 ``nv.generate`` keeping the same blocks (no logits) runs in the same rounds, for scale.
 
+An isolated engine's server then sends the saves on to the client. That hop is timed on each trace's
+saves as they arrived, in turns: a ``torch.save`` of them read back with ``torch.load(weights_only=True)``
+(``torch_save``), against the same with the tensors packed into one buffer (``packed``:
+:func:`nnvllm.engine.wire.pack_tensors` and ``unpack_tensors``).
+
 Each runs with nnsight's reduction (torch's pickling, a ``torch.save`` archive a tensor) and with
 nnvllm's (:mod:`nnvllm.engine.trace_saves`: raw bytes), and the two results are checked equal.
 Prints each median and the ratios; records them as the run ``<prompts>x<tokens>`` of
@@ -38,6 +43,33 @@ def _tensors(value) -> list:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return [value]
+
+
+def _hop(steps) -> dict:
+    """``{way: (seconds, the saves as the client reads them)}`` for an isolated server's reply holding
+    ``steps``: written, then read back as the client reads it."""
+    import io
+
+    import torch
+
+    from nnvllm.engine.wire import load_data, pack_tensors, to_data, unpack_tensors
+
+    def torch_save():
+        buf = io.BytesIO()
+        torch.save({"saves": to_data({"steps": steps}, "the saves")}, buf)
+        return load_data(buf.getvalue(), "the reply")["saves"]
+
+    def packed():
+        buf = io.BytesIO()
+        torch.save({"packed_saves": pack_tensors(to_data({"steps": steps}, "the saves"))}, buf)
+        return unpack_tensors(load_data(buf.getvalue(), "the reply")["packed_saves"], "the reply")
+
+    out = {}
+    for way, fn in (("torch_save", torch_save), ("packed", packed)):
+        t = time.perf_counter()
+        back = fn()
+        out[way] = (time.perf_counter() - t, back)
+    return out
 
 
 def main() -> None:
@@ -80,6 +112,7 @@ def main() -> None:
     kinds, ways = ("stacked", "per_block", "nothing"), ("nnsight", "nnvllm")
     times: dict[str, list[float]] = {f"{k} {w}": [] for k in kinds for w in ways}
     times["nv.generate"] = []
+    times.update({f"{k} hop {h}": [] for k in ("stacked", "per_block") for h in ("torch_save", "packed")})
     for rep in range(args.repeats + 1):  # the first round warms up and is not kept
         t = time.perf_counter()
         nv.generate(model, prompts, max_tokens=T, ignore_eos=True, logits=False)
@@ -96,6 +129,13 @@ def main() -> None:
             a, b = _tensors(got["nnsight"]), _tensors(got["nnvllm"])
             if len(a) != len(b) or not all(torch.equal(x, y) for x, y in zip(a, b)):
                 raise SystemExit(f"{kind}: the two reductions returned different saves")
+            if kind != "nothing":
+                for hop, arrived in _hop(got["nnvllm"]).items():
+                    if rep:
+                        times[f"{kind} hop {hop}"].append(arrived[0])
+                    c = _tensors(arrived[1]["steps"])
+                    if len(c) != len(b) or not all(torch.equal(x, y) for x, y in zip(b, c)):
+                        raise SystemExit(f"{kind}: the {hop} hop returned different saves")
     collect._CompactPickler.reducer_override = reductions["nnvllm"]
     model.close()
 
@@ -108,6 +148,7 @@ def main() -> None:
             (med[f"{kind} nnsight"] - floor) / max(med[f"{kind} nnvllm"] - floor, 1e-9))
         for way in ways:
             ratios[f"{kind} {way} / nv.generate"] = med[f"{kind} {way}"] / med["nv.generate"]
+        ratios[f"{kind}: isolated hop, torch_save / packed"] = med[f"{kind} hop torch_save"] / med[f"{kind} hop packed"]
     for k, v in med.items():
         print(f"{k}: {v:.3f} s (median of {args.repeats})")
     for k, v in ratios.items():
