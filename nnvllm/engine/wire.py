@@ -25,7 +25,8 @@ A trace's saves travel packed (:func:`pack_tensors`, :func:`unpack_tensors`): ev
 one buffer, and each tensor's place in the saves as a :class:`Packed` index. ``torch.save`` writes
 each tensor's storage as a record of its own and ``torch.load`` reads each back, which a trace that
 keeps a block's output at every step of every prompt pays thousands of times. A tensor arrives with
-its dtype, shape and values, contiguous; one saved under two names is still one tensor.
+its dtype, shape and values, contiguous (a ``Parameter`` as a plain tensor); one saved under two
+names is still one tensor.
 """
 
 from __future__ import annotations
