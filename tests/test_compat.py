@@ -293,3 +293,27 @@ def test_saved_tensors_travel_as_bytes_and_arrive_as_nnsight_sends_them():
             assert torch.equal(raw(arrived), raw(value)), (way, name)
             assert arrived.untyped_storage().nbytes() == value.numel() * value.element_size(), (way, name)
         assert got["row again"] is got["row"], way
+
+
+
+def test_an_isolated_servers_saves_arrive_on_the_cpu_whatever_device_they_left():
+    """An isolated engine's server sends a trace's saves to its client on the CPU, so it rebuilds them
+    there (nnvllm.engine.trace_saves.saves_arrive_on_the_cpu): a tensor that left a GPU is not copied
+    to the device and back. Checked where no GPU exists: the rebuild never asks for one."""
+    import pickle
+
+    import torch
+
+    from nnvllm.engine import trace_saves
+
+    rows = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    for shape in ((3, 4), (0, 4)):
+        data = pickle.PickleBuffer(rows[: shape[0]].reshape(-1).view(torch.uint8).numpy())
+        wire = pickle.dumps((trace_saves._tensor_from_bytes, (data, torch.float32, shape, "cuda:0")), protocol=5)
+        try:
+            trace_saves.saves_arrive_on_the_cpu()
+            fn, args = pickle.loads(wire)
+            got = fn(*args)
+        finally:
+            trace_saves._ON_THE_CPU = False
+        assert got.device.type == "cpu" and got.shape == shape and torch.equal(got, rows[: shape[0]])

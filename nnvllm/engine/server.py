@@ -160,6 +160,9 @@ def main(argv: list[str] | None = None) -> None:
 
     set_model(model)
     _install(app, token, model, model.checkpoint)
+    from .trace_saves import saves_arrive_on_the_cpu
+
+    saves_arrive_on_the_cpu()  # (its replies carry them on the CPU: no round trip through the GPU)
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

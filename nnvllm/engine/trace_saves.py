@@ -20,19 +20,20 @@ import pickle
 
 import torch
 
-__all__ = ["saves_travel_as_bytes"]
+__all__ = ["saves_arrive_on_the_cpu", "saves_travel_as_bytes"]
 
 _DEVICES = ("cpu", "cuda")
+_ON_THE_CPU = False  # (saves_arrive_on_the_cpu)
 
 
 def _tensor_from_bytes(data, dtype: torch.dtype, shape: tuple, device: str) -> torch.Tensor:
     """The tensor :func:`_reduce_tensor` wrote: its bytes viewed as ``dtype``, on ``device``."""
     if not len(data):
-        return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device="cpu" if _ON_THE_CPU else device)
     if not isinstance(data, bytearray):  # (a read-only buffer loads as bytes)
         data = bytearray(data)
     flat = torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(shape)
-    return flat if device == "cpu" else flat.to(device)
+    return flat if device == "cpu" or _ON_THE_CPU else flat.to(device)
 
 
 def _reduce_tensor(obj):
@@ -70,3 +71,14 @@ def saves_travel_as_bytes() -> None:
     reducer_override._nnvllm = True
     reducer_override.__wrapped__ = nnsight_reduce
     pickler.reducer_override = reducer_override
+
+
+def saves_arrive_on_the_cpu() -> None:
+    """Rebuild every saved tensor this process receives on the CPU, whatever device it left from.
+
+    For an isolated engine's server (:mod:`nnvllm.engine.server`), which sends the saves on to its
+    client on the CPU (:func:`nnvllm.engine.wire.to_data`): on a GPU, each tensor would otherwise be
+    copied to the device on arrival and back to the host for the reply.
+    """
+    global _ON_THE_CPU
+    _ON_THE_CPU = True
