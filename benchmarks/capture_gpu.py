@@ -57,6 +57,8 @@ batch, then the median of ``--repeats``):
   ``nv.generate`` keeping the same on the same engine, and ``<case>_logits_only``, the trace reading
   only the logits (nnsight's cost per invoke without block reads; its decode steps replay the pieces
   too, as every traced step does); ``per_call`` has each call's step modes.
+- ``nv_trace_isolated``: the ``nv_trace`` case on an isolated engine (``isolate=True``, nv.load's
+  default on a GPU), without the step modes.
 - ``nv_trace_profile``: the ``nv_trace`` case's 8-prompt calls (``nv.generate``, the trace, the
   logits-only trace) once each under cProfile, with the engine core in the case's process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profile sees the worker: seconds (profiler on) and
@@ -313,7 +315,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             res[f"{name}_{label}"] = {"median": statistics.median(ts), "all": ts}
         model.close()
         return res
-    if name in ("nv_trace", "nv_trace_nopieces", "nv_trace_profile"):
+    if name in ("nv_trace", "nv_trace_nopieces", "nv_trace_profile", "nv_trace_isolated"):
         # An nnsight trace reading every block's output at every step, one invoke per prompt (as the
         # nnsight_taps case), on the in-process graph engine: with the graph pieces (the default) or
         # with them off (NNVLLM_TRACE_PIECES=0: every traced step eager); beside nv.generate keeping
@@ -324,9 +326,11 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import nnvllm as nv
 
-        model = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=gpu_util)
+        isolated = name == "nv_trace_isolated"  # (nv.load's default on a GPU: its saves reach the client packed)
+        model = nv.load(path, isolate=isolated, dtype="float16", gpu_memory_utilization=gpu_util)
         blocks = model.model.layers if SHAPES[shape]["kind"] == "llama" else model.transformer.h
-        modes = lambda: model.llm.collective_rpc("nnvllm_step_modes", kwargs={"reset": True})[0]  # noqa: E731
+        modes = (lambda: {}) if isolated else (  # (an isolated engine's workers are the server's to ask)
+            lambda: model.llm.collective_rpc("nnvllm_step_modes", kwargs={"reset": True})[0])
 
         def trace_run(k):
             with model.trace(temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:

@@ -29,6 +29,7 @@
 #                steer               capture_gpu.py, steering cost on the graph and the eager engine
 #                trace               capture_gpu.py, an nnsight trace of every block's output against nv.generate
 #                                    (1, 8, 64 prompts; docs/capture.md, "nnsight traces on a graph engine")
+#                trace_isolated      capture_gpu.py, the same trace on an isolated engine (nv.load's default)
 #                trace_profile       capture_gpu.py, the 8-prompt trace under cProfile, worker included
 #                defaults            capture_gpu.py, nv.load's defaults against bare vLLM, 12 calls each
 #                                    (docs/capture.md, "What it costs")
@@ -231,6 +232,8 @@ bench() {
                --timeout 200 --root $root --cases nv_steer,nv_steer_eager ;;
       trace) bench_item "$item" $c --name llama1b_trace_seams --shape llama1b --prompts 64 --tokens 128 --repeats 3 \
                --timeout 230 --root $root --cases nv_trace ;;
+      trace_isolated) bench_item "$item" $c --name llama1b_trace_isolated --shape llama1b --prompts 64 --tokens 128 \
+                        --repeats 3 --timeout 230 --root $root --cases nv_trace_isolated ;;
       trace_profile) bench_item "$item" $c --name llama1b_trace_profile --shape llama1b --prompts 64 --tokens 128 \
                        --timeout 230 --root $root --cases nv_trace_profile ;;
       defaults) bench_item "$item" $c --name llama1b_defaults --shape llama1b --prompts 64 --tokens 128 --repeats 12 \

@@ -107,3 +107,38 @@ def test_the_gpu_cost_tables_in_docs_capture_are_their_recorded_runs():
     eager = runs["llama1b_trace_pieces"]["seconds"]
     stated = " / ".join(f"{eager[f'nv_trace_nopieces_{k}']:.3f}" for k in (1, 8, 64))
     assert f"took {stated} s there" in " ".join(doc.split()), stated
+
+
+def test_the_trace_cost_tables_in_docs_engines_are_their_recorded_runs():
+    """docs/engines.md's tables of what a trace sends and sends back state the seconds of the CPU runs
+    in ``benchmarks/results/trace_payload_cpu.json`` and ``trace_saves_cpu.json``, and the text the
+    differences between them."""
+    import json
+
+    root = README.parent
+    doc = (root / "docs" / "engines.md").read_text()
+    flat = " ".join(doc.split())
+    payload = json.loads((root / "benchmarks" / "results" / "trace_payload_cpu.json").read_text())["runs"]
+    rows = _md_rows(doc, "`benchmarks/results/trace_payload_cpu.json`")
+    which = {"nnsight's": "nnsight", "names left behind, envoys pickled": "names", "nnvllm's (both)": "nnvllm"}
+    assert len(rows) == 6, rows
+    for row in rows:
+        run = payload["64x1" if row[0].startswith("1") else "64x32"]["seconds"]
+        case = which[row[1]]
+        assert [row[2], row[3]] == [f"{run[f'{case} fresh']:.3f} s", f"{run[f'{case} again']:.3f} s"], row
+    saves = json.loads((root / "benchmarks" / "results" / "trace_saves_cpu.json").read_text())["runs"]["64x32"]
+    s = saves["seconds"]
+    assert saves["repeats"] == 5 and "--repeats 5" in saves["command"]
+    rows = _md_rows(doc, "`benchmarks/results/trace_saves_cpu.json`")
+    assert [r[0] for r in rows] == ["the blocks stacked, one tensor a step",
+                                    "each block's output, one tensor a block a step", "nothing (the same reads)"]
+    for row, kind in zip(rows, ("stacked", "per_block", "nothing")):
+        assert row[1] == f"{saves['saved_tensors'][kind]:,}", row
+        assert row[2:4] == [f"{s[f'{kind} nnsight']:.3f} s", f"{s[f'{kind} nnvllm']:.3f} s"], row
+        hop = [f"{s[f'{kind} hop {h}']:.3f} s" for h in ("torch_save", "packed")] if kind != "nothing" else ["", ""]
+        assert row[4:6] == hop, row
+    floor = min(s["nothing nnsight"], s["nothing nnvllm"])
+    above = [f"{s[f'{k} {w}'] - floor:.3f} s" for k in ("stacked", "per_block") for w in ("nnsight", "nnvllm")]
+    assert (f"costs {above[0]} against {above[1]} (stacked) and {above[2]} against {above[3]} (each block)"
+            in flat), above
+    assert f"`nv.generate` keeping the same blocks took {s['nv.generate']:.3f} s" in flat
