@@ -2,16 +2,17 @@
 
 nnsight's worker pickles every request's saved values once the request ends
 (``nnsight.modeling.vllm.collect.dumps_compact``), and the engine unpickles them. torch pickles each
-tensor's storage as a whole ``torch.save`` archive of its own, with a ``torch.load`` to match: well
-over a hundred microseconds a tensor, which a trace saving a block's output at every step of every
-prompt pays hundreds of thousands of times. :func:`saves_travel_as_bytes` makes nnsight's pickler
-write a plain tensor as its dtype, shape, device and raw bytes instead (protocol 5 writes the bytes
-straight from the tensor's memory), rebuilt by :func:`_tensor_from_bytes` on the same device.
+tensor's storage as a ``torch.save`` archive of its own, read back by a ``torch.load`` of its own, and
+a trace that keeps a block's output at every step of every prompt saves thousands of tensors.
+:func:`saves_travel_as_bytes` makes nnsight's pickler write a plain tensor as its dtype, shape, device
+and raw bytes instead (protocol 5 writes the bytes straight from the tensor's memory), rebuilt by
+:func:`_tensor_from_bytes` on the same device (on the CPU in an isolated engine's server:
+:func:`saves_arrive_on_the_cpu`).
 
-What arrives is the same as before in dtype, shape, device and every value; only the layout
-differs: a tensor arrives contiguous, where torch's own pickling kept a transposed view's strides.
-Anything else (a tensor subclass, one that requires grad, a sparse, quantized or meta tensor) is left
-to nnsight's reduction.
+What arrives has the dtype, shape, device and values torch's pickling gives; a tensor arrives
+contiguous, where torch's pickling keeps a transposed view's strides, and a float8 tensor, which
+torch's pickling writes but cannot load back, arrives too. Anything else (a tensor subclass, one that
+requires grad, a sparse or quantized tensor, one on another device) is left to nnsight's reduction.
 """
 
 from __future__ import annotations
