@@ -16,7 +16,9 @@ lacks nnvllm's capture methods in the worker. What this adds to nnsight's ``serv
 - ``/v1/nnsight/generate`` replaced by a copy of nnsight's handler with three fixes: nnsight's
   per-file source caches are cleared per request (an edited file or notebook cell at the same path
   ran its OLD invoke bodies), a name saved in several invokes comes back as a list in invoke order
-  (as in-process; the stock server kept only the last invoke's), and a dead engine is a 503;
+  (as in-process; the stock server kept only the last invoke's), and a dead engine is a 503; its
+  reply is data only, with every saved tensor in one buffer (:func:`nnvllm.engine.wire.pack_tensors`),
+  rebuilt on the CPU as the worker sends them (:func:`nnvllm.engine.trace_saves.saves_arrive_on_the_cpu`);
 - ``/health`` reports a dead engine core (the stock one says 200 while every trace fails);
 - on SIGTERM the engine is shut down (the stock server died leaving EngineCore running), and with
   ``--watch-pid`` the server ends itself and its process group when that process is gone.
