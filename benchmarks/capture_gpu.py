@@ -189,6 +189,15 @@ def _profiled(fn) -> dict:
     return out
 
 
+def _engine_config(llm) -> dict:
+    """What vLLM settled on for ``llm`` (an ``LLM``) that decides its speed: whether the scheduler
+    overlaps a step's host work with the previous step's forward, and how the forward runs."""
+    c = llm.llm_engine.vllm_config
+    cc = c.compilation_config
+    return {"async_scheduling": c.scheduler_config.async_scheduling, "compile_mode": str(cc.mode),
+            "cudagraph_mode": str(cc.cudagraph_mode), "executor": str(c.parallel_config.distributed_executor_backend)}
+
+
 def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: dict) -> dict:
     import torch
 
@@ -206,6 +215,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         extra_args = {"output_residual_stream": list(range(L))} if name == "vllm_lens" else None
         sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True, extra_args=extra_args)
         res[name] = _timed(lambda: llm.generate(ps, sp, use_tqdm=False), repeats)
+        res[name + "_config"] = _engine_config(llm)
         if name == "vllm_lens":
             out = llm.generate(ps[:1], sp, use_tqdm=False)
             res["vllm_lens_shape"] = list(out[0].activations["residual_stream"].shape)
@@ -241,6 +251,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         if not getattr(model, "_nnvllm_isolated", False) and not mode:
             sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
             res[name + "_bare"] = _timed(lambda: model.llm.generate(ps, sp, use_tqdm=False), repeats)
+            res[name + "_config"] = _engine_config(model.llm)
         res[name] = _timed(lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True), repeats,
                            snap=lambda: dict(capture._LAST_TIMINGS))
         res[name + "_worker_timings"] = dict(capture._LAST_TIMINGS)  # the last call's
@@ -292,6 +303,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         import nnvllm as nv
 
         model = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=gpu_util)
+        res[name + "_config"] = _engine_config(model.llm)
         sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
         ids = [{"prompt_token_ids": model.tokenizer(p)["input_ids"]} for p in ps]
         forms = {"bare": lambda: model.llm.generate(ps, sp, use_tqdm=False),
