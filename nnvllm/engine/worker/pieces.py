@@ -63,9 +63,25 @@ def _interleaver_class():
     location in eager ones (nnsight's own skips non-taps everywhere), and learning which locations
     lie inside the recorded graphs."""
     from nnsight.intervention.interleaver import Interleaver
-    from nnsight.modeling.vllm.interleaver import VLLMInterleaver, _capture, _weak
+    from nnsight.modeling.vllm.interleaver import VLLMInterleaver, _capture, _copy_into, _weak
+    from nnsight.util import apply
 
     class PieceInterleaver(VLLMInterleaver):
+        def replay(self, location: str, live: Any) -> None:
+            # A replayed graph writes every step's seams into the same memory, so a trace that
+            # keeps what it is served (``h.output.save()`` at every step, a cache) is served its own
+            # copy, as an eager step's output is a tensor of its own; what the trace leaves in the
+            # copy (an assignment, an in-place edit) lands back in the graph's memory.
+            if not self.interleaving or (location not in self.parked and not self.observers.get(location)):
+                return super().replay(location, live)  # (nothing served: the visit is counted)
+            total = self.batcher.total
+            live = apply(live, lambda t: t[:total] if t.dim() and t.shape[0] > total else t, torch.Tensor)
+            served = apply(live, torch.Tensor.clone, torch.Tensor)
+            versions = _versions(served)
+            edited = self.handle(location, served)
+            if edited is not served or _versions(served) != versions:
+                _copy_into(live, edited)
+
         def handle(self, provider: str, value: Any) -> Any:
             if self.learning and torch.cuda.is_current_stream_capturing():
                 self.in_graph.add(provider)
@@ -94,6 +110,20 @@ def _interleaver_class():
             return bool(sourced) and (module + ".output") in self.in_graph
 
     return PieceInterleaver
+
+
+def _versions(value: Any) -> list[int]:
+    """The version counters of the tensors in ``value`` (torch counts every in-place change)."""
+    out: list[int] = []
+    if isinstance(value, torch.Tensor):
+        out.append(value._version)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            out += _versions(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            out += _versions(v)
+    return out
 
 
 def _graphs_class(base: type) -> type:
