@@ -76,11 +76,9 @@ def _interleaver_class():
                 return super().replay(location, live)  # (nothing served: the visit is counted)
             total = self.batcher.total
             live = apply(live, lambda t: t[:total] if t.dim() and t.shape[0] > total else t, torch.Tensor)
-            served = apply(live, torch.Tensor.clone, torch.Tensor)
-            versions = _versions(served)
-            edited = self.handle(location, served)
-            if edited is not served or _versions(served) != versions:
-                _copy_into(live, edited)
+            # (Always written back: the step's tensors are inference tensors, which keep no version
+            # counter to tell an in-place edit by.)
+            _copy_into(live, self.handle(location, apply(live, torch.Tensor.clone, torch.Tensor)))
 
         def handle(self, provider: str, value: Any) -> Any:
             if self.learning and torch.cuda.is_current_stream_capturing():
@@ -110,20 +108,6 @@ def _interleaver_class():
             return bool(sourced) and (module + ".output") in self.in_graph
 
     return PieceInterleaver
-
-
-def _versions(value: Any) -> list[int]:
-    """The version counters of the tensors in ``value`` (torch counts every in-place change)."""
-    out: list[int] = []
-    if isinstance(value, torch.Tensor):
-        out.append(value._version)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            out += _versions(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            out += _versions(v)
-    return out
 
 
 def _graphs_class(base: type) -> type:
