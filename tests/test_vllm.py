@@ -340,7 +340,8 @@ def _saved_tensors_arrive_as_transformers_computes_them(toy, toy_path, fidelity)
 
 def test_a_trace_of_every_step_reads_and_edits_what_nv_generate_captures(toy, tp):
     """A trace that reads every block's output at every generated step reads what ``nv.generate``
-    captures (``run.resid``); one that adds a vector to block 1's output at every step generates what
+    captures (``run.resid``), whether it copies what it keeps or keeps the served values themselves;
+    one that adds a vector to block 1's output at every step generates what
     ``Edit.add`` on block 1 generates; reading each block's MLP gives the ``mlp`` site. On a GPU graph
     engine the trace's decode steps replay the graphs in pieces with the trace served at the blocks'
     outputs (docs/capture.md, "nnsight traces on a graph engine"), the MLP reads run eagerly, and a
@@ -354,8 +355,10 @@ def test_a_trace_of_every_step_reads_and_edits_what_nv_generate_captures(toy, tp
     edit = torch.randn(toy.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 3.0
     run = nv.generate(toy, prompts, max_tokens=steps, ignore_eos=True, sites=("mlp",) if tp == 1 else ())
     read = _trace_every_step(toy, prompts, steps)
+    kept = _trace_every_step(toy, prompts, steps, kept=True)  # (on a graph engine: its own copy of each step)
     for i in range(len(prompts)):
         assert same_values(read[i], run.resid[i]), (i, float((read[i] - run.resid[i]).abs().max()))
+        assert same_values(kept[i], run.resid[i]), (i, float((kept[i] - run.resid[i]).abs().max()))
     steered = nv.generate(toy, prompts, max_tokens=steps, ignore_eos=True, edits=[nv.Edit.add(edit, layers=[1])])
     swapped = _trace_every_step(toy, prompts, steps, edit=edit)
     for i in range(len(prompts)):
