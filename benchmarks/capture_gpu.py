@@ -68,6 +68,13 @@ batch, then the median of ``--repeats``):
   ``nv.generate`` keeping only tokens and samples (``_tokens``) and keeping every layer and the
   logits (``_all``): where nv.generate's cost over the engine's own generate goes.
   ``nv_split_profile``: one call of each under cProfile, the engine core in the case's process.
+- ``paired``: nnvllm's defaults against vLLM's own, with a shared host's drift cancelled: in one process, bare
+  vLLM's default engine (``vllm.LLM``, torch.compile + CUDA graphs), ``nv.load(path)`` (its default:
+  isolated on a GPU) and ``nv.load(path, isolate=False)``, each with 0.28 of the GPU, called in turns
+  (the order rotating each turn), ``repeats`` turns: each engine's median and every call
+  (``paired_<engine>``); in ``paired_summary``, the median of each turn's ratio to bare (``x bare
+  <engine>``) and each engine's largest distance of a call from its median (``spread <engine>``, a
+  fraction).
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -288,6 +295,43 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         run = nv.generate(model, ps[:4], max_tokens=T, ignore_eos=True, layers=[L // 2 + 1], logits=False, edits=steer)
         res[name + "_moved"] = float((run.resid[0].float() - clean.resid[0].float()).abs().max())
         model.close()
+        return res
+    if name == "paired":
+        # Every engine started before any is timed, bare vLLM first (before nnvllm is imported, so
+        # nothing of nnsight's is in its process when its engine core starts); then turns.
+        from vllm import LLM, SamplingParams
+
+        share = 0.28
+        bare = LLM(path, dtype="float16", gpu_memory_utilization=share)
+        sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
+        import nnvllm as nv
+
+        iso = nv.load(path, dtype="float16", gpu_memory_utilization=share)
+        inproc = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=share)
+        res["paired_config"] = {"bare": _engine_config(bare), "in_process": _engine_config(inproc.llm),
+                                "isolated_is_isolated": bool(getattr(iso, "_nnvllm_isolated", False))}
+        forms = {"bare": lambda: bare.generate(ps, sp, use_tqdm=False),
+                 "default": lambda: nv.generate(iso, ps, max_tokens=T, ignore_eos=True),
+                 "in_process": lambda: nv.generate(inproc, ps, max_tokens=T, ignore_eos=True)}
+        for fn in forms.values():
+            fn()  # warm-up
+        labels = list(forms)
+        times: dict[str, list[float]] = {label: [] for label in labels}
+        for turn in range(repeats):
+            for label in labels[turn % 3:] + labels[:turn % 3]:
+                t = time.perf_counter()
+                forms[label]()
+                times[label].append(time.perf_counter() - t)
+        summary = {}
+        for label, ts in times.items():
+            med = statistics.median(ts)
+            res[f"paired_{label}"] = {"median": med, "all": ts}
+            summary[f"spread {label}"] = max(abs(x / med - 1) for x in ts)
+            if label != "bare":
+                summary[f"x bare {label}"] = statistics.median(x / b for x, b in zip(ts, times["bare"]))
+        res["paired_summary"] = summary
+        iso.close()
+        inproc.close()
         return res
     if name in ("nv_split", "nv_split_profile"):
         # Where nv.generate's cost over the engine's own generate goes, on one in-process graph engine:

@@ -37,6 +37,8 @@
 #                                    residual stream's alone (NNVLLM_GRAPH_SITES=resid), 12 calls each
 #                compiled            capture_gpu.py, NNVLLM_COMPILE=1 (torch.compile with the taps inside) against
 #                                    vLLM's default and nv.load's graph engine, 12 calls each
+#                paired              capture_gpu.py, bare vLLM's default, nv.load's default and the in-process engine
+#                                    in one process, called in turns, 12 each
 #                split               capture_gpu.py, where nv.generate's cost over the engine's own generate goes:
 #                                    text vs token-id prompts, tokens only, every layer; then each under cProfile
 #                trace_saves         trace_saves.py, a trace's saved tensors back as raw bytes against torch's
@@ -242,6 +244,8 @@ bench() {
                     --timeout 140 --root $root --cases bare_nocompile,nv_graphs,nv_graphs_residgraphs ;;
       compiled) bench_item "$item" $c --name llama1b_compiled --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
                   --timeout 200 --root $root --cases ${BENCH_CASES:-bare_graphs,nv_graphs_compiled,nv_graphs_compiled_residgraphs,nv_graphs} ;;
+      paired) bench_item "$item" $c --name llama1b_paired --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
+                --timeout 400 --root $root --cases paired ;;
       split) bench_item "$item" $c --name llama1b_split --shape llama1b --prompts 64 --tokens 128 --repeats 8 \
                --timeout 300 --root $root --cases ${BENCH_CASES:-nv_split,nv_split_profile} ;;
       trace_saves|trace_payload)  # (a Llama-1B-shape checkpoint, built as capture_gpu.py builds it)
