@@ -322,6 +322,9 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                 t = time.perf_counter()
                 forms[label]()
                 times[label].append(time.perf_counter() - t)
+            # (on stderr as it goes: a case cut at its timeout still shows its turns)
+            print(f"paired turn {turn}: " + " ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()),
+                  file=sys.stderr, flush=True)
         summary = {}
         for label, ts in times.items():
             med = statistics.median(ts)
