@@ -315,13 +315,18 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                  "in_process": lambda: nv.generate(inproc, ps, max_tokens=T, ignore_eos=True)}
         for fn in forms.values():
             fn()  # warm-up
+        from nnvllm import capture
+
         labels = list(forms)
         times: dict[str, list[float]] = {label: [] for label in labels}
+        per_call: dict[str, list[dict]] = {label: [] for label in labels[1:]}  # nnvllm's timings of each call
         for turn in range(repeats):
             for label in labels[turn % 3:] + labels[:turn % 3]:
                 t = time.perf_counter()
                 forms[label]()
                 times[label].append(time.perf_counter() - t)
+                if label in per_call:
+                    per_call[label].append(dict(capture._LAST_TIMINGS))
             # (on stderr as it goes: a case cut at its timeout still shows its turns)
             print(f"paired turn {turn}: " + " ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()),
                   file=sys.stderr, flush=True)
@@ -329,6 +334,8 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         for label, ts in times.items():
             med = statistics.median(ts)
             res[f"paired_{label}"] = {"median": med, "all": ts}
+            if label in per_call:
+                res[f"paired_{label}"]["per_call"] = per_call[label]
             summary[f"spread {label}"] = max(abs(x / med - 1) for x in ts)
             if label != "bare":
                 summary[f"x bare {label}"] = statistics.median(x / b for x, b in zip(ts, times["bare"]))
