@@ -134,6 +134,34 @@ def test_handoff_files_not_handed_over_are_removed(monkeypatch):
         os.unlink(p)
 
 
+def test_a_file_prepared_for_one_tensor_is_not_taken_by_another(monkeypatch):
+    """The hand-off's order (the residual stream, the sampling statistics, then the logits): the
+    statistics are never prepared, and the smallest prepared file that fits them is the logits';
+    each tensor gets the file made ready for it, and the statistics a file of their own size."""
+    from nnvllm.engine.worker import handoff as _worker
+    from nnvllm.engine.worker.handoff import _SPARES, _ShmFiles
+
+    monkeypatch.setenv("NNVLLM_HANDOVER", "plain")
+    monkeypatch.setattr(_worker, "SPARE_BYTES", 0)
+    _SPARES.drop()
+    files = _ShmFiles()
+    files.prepare(4 << 20, "resid")
+    files.prepare(2 << 20, "_logits")
+    prepared = {name: fut.result().path for _, fut, name in files.ready}
+    timings: dict = {}
+    resid = files.take(3 << 20, timings, "resid")
+    probs = files.take(4096, timings, "_probs")
+    logits = files.take(1 << 20, timings, "_logits")
+    assert resid.path == prepared["resid"] and logits.path == prepared["_logits"]
+    assert probs.path not in prepared.values() and probs.size == 4096
+    assert timings["files_ready"] == 2  # the logits' file was ready: nothing made in the hand-off for it
+    files.discard()
+    _wait_for_pool()
+    for f in (resid, probs, logits):
+        f.release(0)
+        os.unlink(f.path)
+
+
 def test_handoff_files_are_kept_ready_for_the_next_capture(monkeypatch):
     """After a hand-off the worker prepares files of the sizes it handed over (within
     NNVLLM_SPARE_BYTES), reusing prepared files never handed over; the next capture of that shape

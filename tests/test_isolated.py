@@ -292,9 +292,12 @@ def test_sleep_is_refused_on_cpu_with_a_clear_message(iso):
 
 def test_keyboard_interrupt_mid_request_leaves_the_engine_usable(iso):
     prompts = [f"The capital of France is {i}" for i in range(24)]
-    t = time.monotonic()
-    nv.generate(iso, prompts[:6], max_tokens=12, ignore_eos=True)
-    short = time.monotonic() - t  # a fraction of the call that gets interrupted (4x prompts, 4x steps)
+    times = []
+    for _ in range(2):  # the faster of two: one slowed by a neighbour's load would fire the interrupt late
+        t = time.monotonic()
+        nv.generate(iso, prompts[:6], max_tokens=12, ignore_eos=True)
+        times.append(time.monotonic() - t)
+    short = min(times)  # a fraction of the call that gets interrupted (4x prompts, 4x steps)
     timer = threading.Timer(short / 2, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     finished = False

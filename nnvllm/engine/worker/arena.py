@@ -113,9 +113,9 @@ class _Capture:
             if self.shm is not None:  # the files the hand-off will fill (logits only when asked for)
                 for name, x in a.items():
                     if name != "_logits":
-                        self.shm.prepare(x[:, :rows_n].numel() * x.element_size())
+                        self.shm.prepare(x[:, :rows_n].numel() * x.element_size(), name)
                     elif self.logits:
-                        self.shm.prepare(steps_n * x.shape[1] * x.element_size())
+                        self.shm.prepare(steps_n * x.shape[1] * x.element_size(), name)
             self.arenas.append(a)
             self.used_rows, self.used_steps = 0, 0
             self.free_rows, self.free_steps = rows_n, steps_n

@@ -253,7 +253,7 @@ class _ShmFiles:
         # page-locked for DMA only on a CUDA engine
         self.pin = _handover_mode() == "pin" and getattr(device, "type", None) == "cuda"
         self.device = device
-        self.ready: list[tuple[int, Any]] = []  # (size, future of _ShmFile)
+        self.ready: list[tuple[int, Any, str | None]] = []  # (size, future of _ShmFile, the tensor it is for)
         self.handed: set[str] = set()  # paths the client maps (and then unlinks)
         self.sizes: list[int] = []  # bytes of each file handed over
         self.made: list[str] = []  # every path this capture created outside ``ready``
@@ -264,14 +264,24 @@ class _ShmFiles:
         self.made.append(f.path)
         return f
 
-    def prepare(self, nbytes: int) -> None:
-        self.ready.append(_SPARES.take(nbytes) or (nbytes, _SPARES.submit(_ShmFile, nbytes, self.pin, self.device)))
+    def prepare(self, nbytes: int, name: str | None = None) -> None:
+        """Make a file of ``nbytes`` ready in the background (or take a spare), for the tensor
+        ``name`` (None: for any tensor)."""
+        size, fut = _SPARES.take(nbytes) or (nbytes, _SPARES.submit(_ShmFile, nbytes, self.pin, self.device))
+        self.ready.append((size, fut, name))
 
-    def take(self, nbytes: int, timings: dict | None = None) -> _ShmFile:
-        """The smallest prepared file of at least ``nbytes`` (waiting for that one only), else a spare
-        that fits, else a new one; it is handed over. ``timings`` gets how its preparation went
-        (benchmarks)."""
-        fits = [(size, i) for i, (size, _) in enumerate(self.ready) if size >= nbytes]
+    def take(self, nbytes: int, timings: dict | None = None, name: str | None = None) -> _ShmFile:
+        """The smallest file prepared for tensor ``name`` (or for any tensor) of at least ``nbytes``
+        (waiting for that one only), else a spare that fits, else a new one; it is handed over.
+        ``timings`` gets how its preparation went (benchmarks).
+
+        A file prepared for one tensor is never taken by another: the arena's files are sized for
+        its capacity, so a small tensor handed over first (a sampling statistic, which is never
+        prepared) would take the logits' file, and the logits would then wait for a new file made
+        in the hand-off (measured on an H100, Llama-1B shape 64 x 128: 0.044 s of a 0.065 s hand-off,
+        in two calls of three)."""
+        fits = [(size, i) for i, (size, _, owner) in enumerate(self.ready)
+                if size >= nbytes and owner in (None, name)]
         # else not prepared (the sampling statistics' tensors never are): a spare, else a new file
         fut = self.ready.pop(min(fits)[1])[1] if fits else (_SPARES.take(nbytes) or (0, None))[1]
         ready = fut is not None and fut.done()
@@ -300,7 +310,7 @@ class _ShmFiles:
         """Keep files like the ones handed over ready for the next capture (:class:`_Spares`),
         release the rest, and remove every file of this capture the client will not unlink,
         whatever path led here (an error mid-hand-off included)."""
-        ready, self.ready = self.ready, []
+        ready, self.ready = [(size, fut) for size, fut, _ in self.ready], []
         if SPARE_BYTES > 0 and self.sizes:
             _SPARES.refill(self.sizes, ready, lambda n: _spare(n, self.pin, self.device))
         else:
@@ -393,7 +403,7 @@ def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFi
     for name, v in tensors.items():
         nbytes = v.numel() * v.element_size()
         t0, c0 = time.perf_counter(), time.thread_time()
-        f = shm.take(nbytes, timings) if shm is not None else _ShmFile(nbytes)
+        f = shm.take(nbytes, timings, name) if shm is not None else _ShmFile(nbytes)
         t1 = time.perf_counter()
         # this thread's CPU time in it: far below handover_file means it waited (GIL, kernel locks)
         timings["handover_file_cpu"] = timings.get("handover_file_cpu", 0.0) + time.thread_time() - c0
