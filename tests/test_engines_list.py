@@ -231,9 +231,27 @@ def test_a_load_prints_one_line_and_the_engine_log_keeps_the_rest(toy_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.strip()]
     loaded = [ln for ln in lines if ln.startswith("nnvllm: ")]
-    assert len(loaded) == 1 and "in-process CPU engine" in loaded[0], lines
+    device = "GPU" if torch.cuda.is_available() else "CPU"
+    assert len(loaded) == 1 and f"in-process {device} engine" in loaded[0], lines
     assert "LOG True" in lines and "HOOK True" in lines, lines
     tb = out.stderr.splitlines()
     assert tb[-1] == "ValueError: the user error" and not [ln for ln in tb if "[rank" in ln], out.stderr
     # Nothing else: the one line, the two answers, and the user's own traceback.
     assert len(lines) == 3 + len([ln for ln in tb if ln.strip()]), lines
+
+
+def test_torch_log_records_during_an_engine_start_go_to_the_engine_log(capfd):
+    """torch's own warnings (vLLM 0.33's import makes torch 2.14 log three deprecations) go to the
+    engine log while an engine starts, not to the page; afterwards torch's logging is as it was."""
+    import logging
+
+    from nnvllm.engine import logs
+
+    torch_logger = logging.getLogger("torch")
+    handlers, propagate = torch_logger.handlers[:], torch_logger.propagate
+    with logs.captured_warnings():
+        logging.getLogger("torch._opaque_base").warning("torch._opaque_base is deprecated (a test)")
+    assert "torch._opaque_base is deprecated (a test)" in logs.ENGINE_LOG.text(last=20)
+    out, err = capfd.readouterr()
+    assert "deprecated (a test)" not in out + err, (out, err)
+    assert torch_logger.handlers == handlers and torch_logger.propagate == propagate

@@ -129,10 +129,36 @@ _ENGINE_MODULES = ("vllm", "torch", "transformers", "nnsight", "triton", "pydant
 
 @contextlib.contextmanager
 def captured_warnings():
-    """Within the block, warnings raised from the engine's libraries go to :data:`ENGINE_LOG`."""
+    """Within the block, warnings raised from the engine's libraries, and torch's log records, go to
+    :data:`ENGINE_LOG`.
+
+    torch reports its own deprecations through the ``torch`` logger, whose handler writes to stderr:
+    vLLM 0.33 registers an opaque type when it is imported, and torch 2.14 answers with three
+    ``W... torch/_opaque_base.py`` lines.
+    """
     if verbose():
         yield
         return
+    with _torch_logs_to_engine_log(), _warnings_to_engine_log():
+        yield
+
+
+@contextlib.contextmanager
+def _torch_logs_to_engine_log():
+    logger = logging.getLogger("torch")
+    handlers, propagate = logger.handlers[:], logger.propagate
+    logger.handlers[:] = [ENGINE_LOG]
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        if logger.handlers == [ENGINE_LOG]:  # (unless something configured torch's logging meanwhile)
+            logger.handlers[:] = handlers
+            logger.propagate = propagate
+
+
+@contextlib.contextmanager
+def _warnings_to_engine_log():
     shown = warnings.showwarning
 
     def showwarning(message, category, filename, lineno, file=None, line=None):
