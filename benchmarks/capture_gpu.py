@@ -635,6 +635,14 @@ def table(run: dict) -> str:
     bare = s.get("bare_graphs")
     lines = [f"`{run.get('command', '?')}` (vLLM {run.get('vllm', '?')}, {run.get('machine', '?')}, "
              f"{str(run.get('date', '?'))[:10]})", ""]
+    paired = run.get("seconds", {}).get("paired_summary")
+    if paired:  # the paired case: each engine's median, its turns' median ratio to bare, its spread
+        lines += ["| engine | seconds | x bare, per turn | spread |", "|---|---|---|---|"]
+        for label in ("bare", "default", "in_process"):
+            ratio = paired.get(f"x bare {label}", 1.0)
+            lines.append(f"| `{label}` | {s[f'paired_{label}']:.3f} | {ratio:.2f} | "
+                         f"±{100 * paired[f'spread {label}']:.0f}% |")
+        return "\n".join(lines)
     lines += ["| case | seconds | x bare_graphs |", "|---|---|---|"] if bare else ["| case | seconds |", "|---|---|"]
     for k, v in s.items():
         lines.append(f"| `{k}` | {v:.3f} | {v / bare:.2f} |" if bare else f"| `{k}` | {v:.3f} |")

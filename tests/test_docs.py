@@ -109,6 +109,38 @@ def test_the_gpu_cost_tables_in_docs_capture_are_their_recorded_runs():
     assert f"took {stated} s there" in " ".join(doc.split()), stated
 
 
+def test_the_paired_cost_table_in_docs_capture_is_its_recorded_run():
+    """docs/capture.md's paired table (bare vLLM and nnvllm's defaults called in turns) states run
+    ``llama1b_paired``'s seconds, ratios and spreads as ``--table`` renders them, and the hand-off
+    times the text gives are those of its calls (H200) and of the H100 run it cites."""
+    import json
+    import subprocess
+    import sys
+
+    root = README.parent
+    doc = (root / "docs" / "capture.md").read_text()
+    flat = " ".join(doc.split())
+    results = root / "benchmarks" / "results" / "capture_gpu_h200.json"
+    tool = subprocess.run([sys.executable, str(root / "benchmarks" / "capture_gpu.py"), "--table", "llama1b_paired",
+                           "--out", str(results)], capture_output=True, text=True, check=True).stdout
+    rendered = [r[1:] for r in _md_rows(tool, "x bare, per turn")]
+    assert [r[1:] for r in _md_rows(doc, "run `llama1b_paired` in\n`benchmarks/results/capture_gpu_h200.json`")] == rendered
+    for machine, stated in (("h200", "took 0.014 to 0.029 s"), ("h100_80gb_hbm3", "took 0.059 to 0.069 s")):
+        run = json.loads((root / "benchmarks" / "results" / f"capture_gpu_{machine}.json").read_text())["runs"]
+        calls = [c for cs in run["llama1b_paired"]["per_call"].values() for c in cs]
+        if machine == "h200":
+            hs = [c["handover"] for c in calls]
+            assert {c["files_ready"] for c in calls} == {6} and len(calls) == 24
+        else:
+            hs = [c["handover"] for c in calls if c["handover"] > 0.03]
+            assert f"in {len(hs)} of its {len(calls)} capturing calls" in flat
+            s = run["llama1b_paired"]["seconds"]
+            summary = s["paired_summary"]
+            assert (f"measured {summary['x bare default']:.2f}x and {summary['x bare in_process']:.2f}x, with bare "
+                    f"vLLM at {s['paired_bare']:.3f} s ±{100 * summary['spread bare']:.0f}%") in flat
+        assert f"took {min(hs):.3f} to {max(hs):.3f} s" == stated and stated in flat, (min(hs), max(hs))
+
+
 def test_the_trace_cost_tables_in_docs_engines_are_their_recorded_runs():
     """docs/engines.md's tables of what a trace sends and sends back state the seconds of the CPU runs
     in ``benchmarks/results/trace_payload_cpu.json`` and ``trace_saves_cpu.json``, and the text the
