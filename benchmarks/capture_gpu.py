@@ -68,6 +68,10 @@ batch, then the median of ``--repeats``):
   ``nv.generate`` keeping only tokens and samples (``_tokens``) and keeping every layer and the
   logits (``_all``): where nv.generate's cost over the engine's own generate goes.
   ``nv_split_profile``: one call of each under cProfile, the engine core in the case's process.
+  ``nv_split_kernels``: one call of each under torch.profiler, the engine core in the case's
+  process: the device's busy time against the call's wall time (``_kernels``: where the device
+  waits on the host), the costliest kernels, and the host's synchronizing and launching calls.
+  ``bare_kernels``: bare vLLM's default run the same way, for the kernels it runs.
 - ``paired``: nnvllm's defaults against vLLM's own, with a shared host's drift cancelled: in one process, bare
   vLLM's default engine (``vllm.LLM``, torch.compile + CUDA graphs), ``nv.load(path)`` (its default:
   isolated on a GPU) and ``nv.load(path, isolate=False)``, each with 0.28 of the GPU, called in turns
@@ -196,6 +200,34 @@ def _profiled(fn) -> dict:
     return out
 
 
+def _kernel_profile(fn) -> dict:
+    """A warm-up call, then one call under torch.profiler: its wall seconds, the device's busy time
+    (every kernel's and copy's own time, summed; what is left of the wall time the device waited on
+    the host), how many device events ran, the 12 costliest, and the host's synchronizing and
+    launching calls (count, seconds). Kernels run in the profiled process only: run the engine core
+    in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    fn()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    avgs = prof.key_averages()
+    own = [(a, getattr(a, "self_device_time_total", 0.0) or 0.0) for a in avgs]
+    dev = sorted([(a, us) for a, us in own if us > 0], key=lambda x: -x[1])
+    host = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+            "cudaMemcpyAsync", "cudaLaunchKernel", "cudaGraphLaunch", "cudaHostRegister", "cudaStreamWaitEvent")
+    busy = sum(us for _, us in dev) / 1e6
+    return {"wall": wall, "device_busy": busy, "device_idle": wall - busy, "device_events": sum(a.count for a, _ in dev),
+            "top": [f"{a.key[:90]} | {a.count} | {us / 1e3:.2f} ms" for a, us in dev[:12]],
+            "host": {a.key: [a.count, a.cpu_time_total / 1e6] for a in avgs if a.key in host}}
+
+
 def _engine_config(llm) -> dict:
     """What vLLM settled on for ``llm`` (an ``LLM``) that decides its speed: whether the scheduler
     overlaps a step's host work with the previous step's forward, and how the forward runs."""
@@ -212,7 +244,9 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
     L = SHAPES[shape]["layers"]
     res: dict = {}
     gpu_util = 0.6
-    if name in ("bare_graphs", "bare_eager", "bare_nocompile", "vllm_lens"):
+    if name in ("bare_graphs", "bare_eager", "bare_nocompile", "vllm_lens", "bare_kernels"):
+        if name == "bare_kernels":  # bare vLLM's default under torch.profiler: its core in this process
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM, SamplingParams
 
         kw = {"enforce_eager": True} if name == "bare_eager" else {}
@@ -221,7 +255,11 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         llm = LLM(path, dtype="float16", gpu_memory_utilization=gpu_util, **kw)
         extra_args = {"output_residual_stream": list(range(L))} if name == "vllm_lens" else None
         sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True, extra_args=extra_args)
-        res[name] = _timed(lambda: llm.generate(ps, sp, use_tqdm=False), repeats)
+        if name == "bare_kernels":
+            k = _kernel_profile(lambda: llm.generate(ps, sp, use_tqdm=False))
+            res[name], res[name + "_kernels"] = k.pop("wall"), k
+        else:
+            res[name] = _timed(lambda: llm.generate(ps, sp, use_tqdm=False), repeats)
         res[name + "_config"] = _engine_config(llm)
         if name == "vllm_lens":
             out = llm.generate(ps[:1], sp, use_tqdm=False)
@@ -343,7 +381,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         iso.close()
         inproc.close()
         return res
-    if name in ("nv_split", "nv_split_profile"):
+    if name in ("nv_split", "nv_split_profile", "nv_split_kernels"):
         # Where nv.generate's cost over the engine's own generate goes, on one in-process graph engine:
         # the engine's generate with text prompts (``bare``) and with token ids (what nv.generate
         # sends, ``ids``), nv.generate keeping only tokens and samples (``tokens``), and keeping
@@ -352,7 +390,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         # engine core in this process and profiles one call of each form (cProfile, worker included).
         from vllm import SamplingParams
 
-        if name == "nv_split_profile":
+        if name in ("nv_split_profile", "nv_split_kernels"):
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         import nnvllm as nv
 
@@ -364,9 +402,13 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                  "ids": lambda: model.llm.generate(ids, sp, use_tqdm=False),
                  "tokens": lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False),
                  "all": lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True)}
-        if name == "nv_split_profile":
+        if name in ("nv_split_profile", "nv_split_kernels"):
             for label, fn in forms.items():
-                res[f"{name}_{label}"] = _profiled(fn)
+                if name == "nv_split_profile":
+                    res[f"{name}_{label}"] = _profiled(fn)
+                else:
+                    k = _kernel_profile(fn)
+                    res[f"{name}_{label}"], res[f"{name}_{label}_kernels"] = k.pop("wall"), k
             model.close()
             return res
         for fn in forms.values():

@@ -41,6 +41,9 @@
 #                                    in one process, called in turns, 12 each
 #                split               capture_gpu.py, where nv.generate's cost over the engine's own generate goes:
 #                                    text vs token-id prompts, tokens only, every layer; then each under cProfile
+#                kernels             capture_gpu.py, one call of bare vLLM's default and of each split form under
+#                                    torch.profiler: the device's busy time against the wall time, the costliest
+#                                    kernels, the host's synchronizing calls
 #                trace_saves         trace_saves.py, a trace's saved tensors back as raw bytes against torch's
 #                                    pickling, Llama-1B shape 64 x 32 (docs/engines.md, "What a trace sends back")
 #                trace_payload       trace_payload.py, what a trace sends with each invoke, the same shape
@@ -246,6 +249,8 @@ bench() {
                   --timeout 200 --root $root --cases ${BENCH_CASES:-bare_graphs,nv_graphs_compiled,nv_graphs_compiled_residgraphs,nv_graphs} ;;
       paired) bench_item "$item" $c --name llama1b_paired --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
                 --timeout 400 --root $root --cases paired ;;
+      kernels) bench_item "$item" $c --name llama1b_kernels --shape llama1b --prompts 64 --tokens 128 \
+                 --timeout 300 --root $root --cases ${BENCH_CASES:-bare_kernels,nv_split_kernels} ;;
       split) bench_item "$item" $c --name llama1b_split --shape llama1b --prompts 64 --tokens 128 --repeats 8 \
                --timeout 300 --root $root --cases ${BENCH_CASES:-nv_split,nv_split_profile} ;;
       trace_saves|trace_payload)  # (a Llama-1B-shape checkpoint, built as capture_gpu.py builds it)
