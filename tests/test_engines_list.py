@@ -247,11 +247,21 @@ def test_torch_log_records_during_an_engine_start_go_to_the_engine_log(capfd):
 
     from nnvllm.engine import logs
 
-    torch_logger = logging.getLogger("torch")
-    handlers, propagate = torch_logger.handlers[:], torch_logger.propagate
+    import torch._dynamo  # noqa: F401 - a logger of torch's with a handler of its own
+
+    loggers = [logging.getLogger(n) for n in ("torch", "torch._dynamo")]
+    before = [(lg.handlers[:], lg.propagate) for lg in loggers]
+    assert before[1][0], "torch._dynamo's logger has no handler of its own here: the test misses that case"
     with logs.captured_warnings():
         logging.getLogger("torch._opaque_base").warning("torch._opaque_base is deprecated (a test)")
-    assert "torch._opaque_base is deprecated (a test)" in logs.ENGINE_LOG.text(last=20)
+        logging.getLogger("torch._dynamo.convert_frame").warning("a recompilation (a test)")
+    for line in ("torch._opaque_base is deprecated (a test)", "a recompilation (a test)"):
+        assert line in logs.ENGINE_LOG.text(last=20), line
     out, err = capfd.readouterr()
-    assert "deprecated (a test)" not in out + err, (out, err)
-    assert torch_logger.handlers == handlers and torch_logger.propagate == propagate
+    assert "(a test)" not in out + err, (out, err)
+    assert [(lg.handlers[:], lg.propagate) for lg in loggers] == before
+    # An error still reaches the page, in one line that names torch.
+    with logs.captured_warnings():
+        logging.getLogger("torch._library.opaque_object").error("a failure (a test)\nits details")
+    out, err = capfd.readouterr()
+    assert err.strip() == "nnvllm: torch error: a failure (a test) (model.log() has the rest)", err

@@ -41,7 +41,8 @@ class _EngineLog(logging.Handler):
         if record.levelno >= logging.ERROR:
             # Errors matter to the user: one line on their stderr, the rest in the log.
             first = record.getMessage().strip().splitlines()[:1]
-            print(f"nnvllm: vLLM error: {first[0] if first else record.levelname} (model.log() has the rest)",
+            who = "vLLM" if record.name.split(".")[0] == "vllm" else record.name.split(".")[0]
+            print(f"nnvllm: {who} error: {first[0] if first else record.levelname} (model.log() has the rest)",
                   file=sys.stderr)
 
     def add(self, text: str) -> None:
@@ -132,7 +133,7 @@ def captured_warnings():
     """Within the block, warnings raised from the engine's libraries, and torch's log records, go to
     :data:`ENGINE_LOG`.
 
-    torch reports its own deprecations through the ``torch`` logger, whose handler writes to stderr:
+    torch reports its own deprecations through its loggers, whose handlers write to stderr:
     vLLM 0.33 registers an opaque type when it is imported, and torch 2.14 answers with three
     ``W... torch/_opaque_base.py`` lines.
     """
@@ -145,16 +146,22 @@ def captured_warnings():
 
 @contextlib.contextmanager
 def _torch_logs_to_engine_log():
-    logger = logging.getLogger("torch")
-    handlers, propagate = logger.handlers[:], logger.propagate
-    logger.handlers[:] = [ENGINE_LOG]
-    logger.propagate = False
+    # The ``torch`` logger, and each of torch's loggers with handlers of its own (torch._logging
+    # gives ``torch._dynamo``, ``torch._inductor``, ... their own, and stops their propagation).
+    loggers = [logging.getLogger("torch")] + [
+        lg for name, lg in list(logging.Logger.manager.loggerDict.items())
+        if name.startswith("torch.") and isinstance(lg, logging.Logger) and lg.handlers]
+    saved = [(lg, lg.handlers[:], lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.handlers[:] = [ENGINE_LOG]
+        lg.propagate = False
     try:
         yield
     finally:
-        if logger.handlers == [ENGINE_LOG]:  # (unless something configured torch's logging meanwhile)
-            logger.handlers[:] = handlers
-            logger.propagate = propagate
+        for lg, handlers, propagate in saved:
+            if lg.handlers == [ENGINE_LOG]:  # (unless something configured torch's logging meanwhile)
+                lg.handlers[:] = handlers
+                lg.propagate = propagate
 
 
 @contextlib.contextmanager
