@@ -41,8 +41,8 @@ class _EngineLog(logging.Handler):
         if record.levelno >= logging.ERROR:
             # Errors matter to the user: one line on their stderr, the rest in the log.
             first = record.getMessage().strip().splitlines()[:1]
-            who = "vLLM" if record.name.split(".")[0] == "vllm" else record.name.split(".")[0]
-            print(f"nnvllm: {who} error: {first[0] if first else record.levelname} (model.log() has the rest)",
+            pkg = record.name.split(".")[0]
+            print(f"nnvllm: {'vLLM' if pkg == 'vllm' else pkg} error: {first[0] if first else record.levelname} (model.log() has the rest)",
                   file=sys.stderr)
 
     def add(self, text: str) -> None:
