@@ -65,8 +65,11 @@ batch, then the median of ``--repeats``):
   the 30 costliest functions by own and by cumulative time.
 - ``nv_split``: on one in-process graph engine, in turns, ``repeats`` times: the engine's own
   generate with text prompts (``_bare``) and with token ids as nv.generate sends them (``_ids``),
-  ``nv.generate`` keeping only tokens and samples (``_tokens``) and keeping every layer and the
-  logits (``_all``): where nv.generate's cost over the engine's own generate goes.
+  ``nv.generate`` keeping only tokens and samples (``_tokens``), every layer (``_layers``), the
+  logits (``_logits``) and both (``_all``): where nv.generate's cost over the engine's own generate
+  goes. Each call's ``per_call`` entry has nv.generate's timings and this process's collection
+  pauses (``process_gc``: seconds, ``process_gc_full``, ``process_gc_young``); the worker's and the
+  client's are ``gc*`` and ``client_gc*`` there.
   ``nv_split_profile``: one call of each under cProfile, the engine core in the case's process.
   ``nv_split_kernels``: one call of each under torch.profiler, the engine core in the case's
   process: the device's busy time against the call's wall time (``_kernels``: where the device
@@ -78,7 +81,9 @@ batch, then the median of ``--repeats``):
   (the order rotating each turn), ``repeats`` turns: each engine's median and every call
   (``paired_<engine>``); in ``paired_summary``, the median of each turn's ratio to bare (``x bare
   <engine>``) and each engine's largest distance of a call from its median (``spread <engine>``, a
-  fraction).
+  fraction); nnvllm's timings of each call (``per_call``, with each process's collection pauses:
+  ``gc*`` the worker's, ``client_server_gc*`` the isolated server's, ``client_gc*`` this process's),
+  and this process's pauses in each bare call (``paired_bare_gc``).
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -358,13 +363,19 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         labels = list(forms)
         times: dict[str, list[float]] = {label: [] for label in labels}
         per_call: dict[str, list[dict]] = {label: [] for label in labels[1:]}  # nnvllm's timings of each call
+        from nnvllm.engine.heap import gc_delta, gc_pauses
+
+        bare_gc: list[dict] = []  # this process's collection pauses in each bare call (its client's)
         for turn in range(repeats):
             for label in labels[turn % 3:] + labels[:turn % 3]:
+                gc0 = gc_pauses()
                 t = time.perf_counter()
                 forms[label]()
                 times[label].append(time.perf_counter() - t)
                 if label in per_call:
                     per_call[label].append(dict(capture._LAST_TIMINGS))
+                else:
+                    bare_gc.append(gc_delta(gc0))
             # (on stderr as it goes: a case cut at its timeout still shows its turns)
             print(f"paired turn {turn}: " + " ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()),
                   file=sys.stderr, flush=True)
@@ -378,6 +389,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             if label != "bare":
                 summary[f"x bare {label}"] = statistics.median(x / b for x, b in zip(ts, times["bare"]))
         res["paired_summary"] = summary
+        res["paired_bare_gc"] = bare_gc
         iso.close()
         inproc.close()
         return res
@@ -401,6 +413,8 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         forms = {"bare": lambda: model.llm.generate(ps, sp, use_tqdm=False),
                  "ids": lambda: model.llm.generate(ids, sp, use_tqdm=False),
                  "tokens": lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None, logits=False),
+                 "layers": lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False),
+                 "logits": lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, layers=None),
                  "all": lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True)}
         if name in ("nv_split_profile", "nv_split_kernels"):
             for label, fn in forms.items():
@@ -413,14 +427,23 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             return res
         for fn in forms.values():
             fn()  # warm-up
+        from nnvllm import capture
+
         times: dict[str, list[float]] = {label: [] for label in forms}
+        calls: dict[str, list[dict]] = {label: [] for label in forms}  # nv.generate's timings of each call
+        from nnvllm.engine.heap import gc_delta, gc_pauses
+
         for _ in range(repeats):
             for label, fn in forms.items():
+                capture._LAST_TIMINGS.clear()
+                gc0 = gc_pauses()
                 t = time.perf_counter()
                 fn()
                 times[label].append(time.perf_counter() - t)
+                calls[label].append(dict(capture._LAST_TIMINGS, **gc_delta(gc0, "process_")))
         for label, ts in times.items():
-            res[f"{name}_{label}"] = {"median": statistics.median(ts), "all": ts}
+            res[f"{name}_{label}"] = {"median": statistics.median(ts), "all": ts,
+                                      "per_call": calls[label]}
         model.close()
         return res
     if name in ("nv_trace", "nv_trace_nopieces", "nv_trace_profile", "nv_trace_isolated"):

@@ -18,6 +18,7 @@ import torch
 
 from . import _validate
 from . import chat as _chat
+from .engine.heap import gc_delta, gc_pauses
 from .engine.transport import CLIENT_TIMINGS, PROMPT_TAG, engine_of
 from .results import Run, Samples
 
@@ -156,7 +157,7 @@ def generate(
         >>> run.text[0], run.resid[0].shape                                        # doctest: +SKIP
         (' Paris.', torch.Size([6, 6, 64]))
     """
-    t0 = time.perf_counter()
+    t0, gc0 = time.perf_counter(), gc_pauses()
     CLIENT_TIMINGS.clear()
     req = _request(model, prompts, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
                    layers=layers, logits=logits, top_k=top_k, sites=sites, ignore_eos=ignore_eos, edits=edits,
@@ -168,6 +169,7 @@ def generate(
     run = _assemble(model, req, outputs, handoff)
     _LAST_TIMINGS.update({f"client_{k}": v for k, v in CLIENT_TIMINGS.items()})
     _LAST_TIMINGS.update(client_request=t1 - t0, client_capture=t2 - t1, client_assemble=time.perf_counter() - t2)
+    _LAST_TIMINGS.update(gc_delta(gc0, "client_"))
     return run
 
 

@@ -352,6 +352,33 @@ def test_a_calls_prompts_run_as_one_batch(iso, monkeypatch):
     assert sum(phases) <= t["client_server_total"] <= t["client_http"], t
 
 
+
+def test_a_calls_collection_pauses_are_counted_in_each_of_its_processes(iso, monkeypatch):
+    """Each process of a call reports its garbage-collection pauses during the call (``gc`` seconds,
+    ``gc_full`` and ``gc_young`` counts): the client's as ``client_gc*``, the server's as
+    ``client_server_gc*``, the worker's (the step loop) as ``gc*``. benchmarks/capture_gpu.py keeps
+    them per call, to tell collection pauses from the rest of a call's host time. A full collection
+    forced in the client during the call is counted there, with its time."""
+    import gc
+
+    from nnvllm import capture
+    from nnvllm.engine import transport
+
+    real_unpack = transport.unpack
+
+    def unpack(data, kind):
+        gc.collect()
+        return real_unpack(data, kind)
+
+    monkeypatch.setattr(transport, "unpack", unpack)
+    nv.generate(iso, CLEAN, max_tokens=4, layers=[0])
+    t = dict(capture._LAST_TIMINGS)
+    assert t["client_gc_full"] >= 1 and t["client_gc"] > 0, t
+    for p in ("", "client_server_"):
+        assert t[f"{p}gc_full"] >= 0 and t[f"{p}gc_young"] >= 0 and 0 <= t[f"{p}gc"], (p, t)
+    assert t["client_server_gc"] <= t["client_server_total"] and t["client_gc"] <= t["client_capture"] + t["client_assemble"], t
+
+
 def test_edits_on_an_isolated_engine(iso, toy_path, fidelity):
     """Edits travel to an isolated engine (the GPU default) and equal the transformers-hooks edit."""
     d = nv.generate(iso, CLEAN, max_tokens=1, layers=[0]).resid[0].shape[-1]

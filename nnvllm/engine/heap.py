@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 
 def _core_in_this_process(mode: str) -> bool:
     """Whether vLLM will run its EngineCore (and, at TP=1, the worker) inside this process: a sync
@@ -114,3 +115,47 @@ def _collections_deferred(core_here: bool = True):
         yield
     finally:
         gc.collect = real
+
+
+class _Pauses:
+    """This process's time in garbage collections since it was installed (``gc.callbacks``): seconds,
+    and how many collections ran of the oldest generation (``full``) and of the younger two."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self.young = 0
+        self._t0: float | None = None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self._t0 = None
+            if info.get("generation") == 2:
+                self.full += 1
+            else:
+                self.young += 1
+
+
+_PAUSES: _Pauses | None = None
+
+
+def gc_pauses() -> tuple[float, int, int]:
+    """(seconds, full collections, younger collections) spent in garbage collection by this process so
+    far; the first call starts the count. A call's share is the difference of two readings
+    (:func:`gc_delta`): the benchmarks read it per capture to tell collection pauses from other host
+    time in a step loop."""
+    global _PAUSES
+    if _PAUSES is None:
+        _PAUSES = _Pauses()
+        gc.callbacks.append(_PAUSES)
+    return _PAUSES.seconds, _PAUSES.full, _PAUSES.young
+
+
+def gc_delta(before: tuple[float, int, int], prefix: str = "") -> dict[str, float]:
+    """What this process spent in garbage collection since ``before`` (a :func:`gc_pauses` reading),
+    as timings: ``gc`` seconds, ``gc_full`` and ``gc_young`` counts (names after ``prefix``)."""
+    s, f, y = gc_pauses()
+    return {f"{prefix}gc": s - before[0], f"{prefix}gc_full": f - before[1], f"{prefix}gc_young": y - before[2]}

@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 from .aborts import Calls, ClientLeft, while_client_waits  # (stdlib-only at import)
+from .heap import gc_delta, gc_pauses  # (stdlib-only at import)
 from .procs import ENGINE_DIED, TOKEN_HEADER  # (stdlib-only at import)
 from .transport import (ARM, COLLECT, DISARM, PEEK, READOUT, UNEMBED, StreamBook, collect_tokens, eager_notice, pack,  # (stdlib-only at import)
                         plain_output, sampling_params, unpack)
@@ -282,7 +283,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
     async def _capture(request, left: asyncio.Event):
         from vllm.sampling_params import RequestOutputKind
 
-        t0 = time.perf_counter()
+        t0, gc0 = time.perf_counter(), gc_pauses()
         model_ = serve._ready()
         req = unpack(await request.body(), request.headers.get("content-type"))
         engine = model_.vllm_entrypoint
@@ -329,7 +330,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                     return _error(503, ENGINE_DIED)
                 return _packed({"error": [type(e).__name__, str(e)]})
         # The server's share of the client's HTTP time (the client keeps it in CLIENT_TIMINGS).
-        timings = dict(lock=t1 - t0, arm=t2 - t1, add=t3 - t2, generate=t4 - t3, collect=t5 - t4)
+        timings = dict(lock=t1 - t0, arm=t2 - t1, add=t3 - t2, generate=t4 - t3, collect=t5 - t4, **gc_delta(gc0))
         reply = _packed({"outputs": outputs, "handoff": handoff, "error": None, "timings": timings})
         timings["total"] = time.perf_counter() - t0  # (the reply above carries all but this: sent apart)
         reply.headers["nnvllm-server-seconds"] = f"{timings['total']:.6f}"

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..heap import gc_delta, gc_pauses
 from .crosshost import sees_client
 from .features import _Features
 from .handoff import _SPARES, _handover, _ShmFiles
@@ -67,6 +68,7 @@ class _Capture:
         # files of the client's dropped Runs, ready again (see _Spares); the client hears which
         self.taken_back = _SPARES.take_back(spec.get("returned")) if remote and not self.inline else []
         self.timings: dict[str, float] = {}
+        self.gc0 = gc_pauses()  # this process's collection pauses until the hand-off (benchmarks)
         self.stats = {"rows": 0, "partial_prefills": 0, "steps": 0, "batch_changes": 0, "eager": bool(self.need_eager)}
         # nv.stream: positions computed per request (kept only when streaming) and how far peek() went
         self.streaming = bool(spec.get("stream"))
@@ -371,6 +373,7 @@ class _Capture:
             out["meta"] = {"attention": t.heads["spec"]}
         if (dev_s := self.features.device_seconds()) is not None:
             self.timings["sae_gpu"] = dev_s
+        self.timings.update(gc_delta(self.gc0))
         out["timings"] = dict(self.timings)
         out["sae_groups"] = self.features.where()
         out["stats"] = dict(self.stats, **({"sae_encodings": self.features.encodings} if self.features else {}))
