@@ -207,6 +207,44 @@ def test_handoff_files_are_kept_ready_for_the_next_capture(monkeypatch):
     assert mine() == before
 
 
+
+def test_calls_of_two_shapes_in_turn_make_no_new_files_after_the_first_of_each(monkeypatch):
+    """A notebook alternates shapes (every layer, then tokens alone): after a small capture the big
+    capture's files (its handed-over ones, returned by the client, and the spares made for it) stay
+    ready within NNVLLM_SPARE_BYTES, so the next big capture takes them instead of preparing files
+    while it generates."""
+    from nnvllm.engine.worker import handoff as _worker
+    from nnvllm.engine.worker.handoff import _SPARES, _ShmFiles
+
+    monkeypatch.setenv("NNVLLM_HANDOVER", "plain")
+    monkeypatch.setattr(_worker, "SPARE_BYTES", 256 << 20)
+    mine = lambda: {f for f in os.listdir(shm_dir()) if f.startswith(f"{SHM_PREFIX}{os.getpid()}-")}  # noqa: E731
+    _SPARES.drop()
+    before = mine()
+
+    def capture(nbytes: int, returned: list[str]) -> tuple[str, dict]:
+        _SPARES.take_back(returned)  # (what the worker does as a capture is armed)
+        files = _ShmFiles()
+        files.prepare(nbytes, "resid")
+        timings: dict = {}
+        f = files.take(nbytes, timings, "resid")
+        assert files.release(f, nbytes)  # kept mapped for recycling
+        files.discard()
+        _wait_for_pool()
+        return f.path, timings
+
+    big, _ = capture(96 << 20, [])  # (a file fits a tensor up to 64 MiB smaller: these do not fit each other)
+    small, _ = capture(64 << 10, [big])  # the client dropped the big Run
+    made = mine()
+    again, timings = capture(96 << 20, [small])
+    assert timings["files_spare"] == 1 and timings["files_ready"] == 1, timings
+    assert mine() <= made  # no file made for it
+    _SPARES.drop()
+    for p in (big, small, again):
+        if os.path.exists(p):
+            os.unlink(p)
+    assert mine() == before
+
 def test_handed_over_files_are_kept_for_recycling_within_the_budget(monkeypatch):
     """Handed-over files stay mapped in the worker for reuse (_Spares.kept), newest kept within
     NNVLLM_SPARE_BYTES (the oldest are let go: unmapped and unlinked); the ones the client returns

@@ -129,7 +129,8 @@ class _Spares:
     have the same shape (``nv.collect``'s chunks always do), so after each hand-off the worker makes
     files of the same sizes in the background, while the engine is idle, up to
     ``NNVLLM_SPARE_BYTES`` (default 4 GiB of shared memory held between calls; 0: none). A later
-    capture takes the smallest that fits (cut to its size when handed over); the rest are replaced.
+    capture takes the smallest that fits (cut to its size when handed over); spares of other shapes
+    stay ready too while the budget allows (:meth:`refill`).
     They go with the engine: unlinked at exit, swept by the next engine if its process was killed.
 
     Handed-over files are recycled too: the worker keeps the newest of them mapped (and page-locked)
@@ -201,18 +202,27 @@ class _Spares:
         return self.files.pop(min(fits)[1]) if fits else None
 
     def refill(self, sizes: list[int], leftovers: list[tuple[int, Any]], make) -> None:
-        """Replace the spares by files of ``sizes`` (largest first, within what SPARE_BYTES leaves
-        beside the kept files), reusing ``leftovers`` (prepared, never handed over) that fit; discard
-        every other file."""
+        """Make the spares files of ``sizes`` (largest first, within what SPARE_BYTES leaves beside the
+        kept files), reusing the spares and ``leftovers`` (prepared, never handed over) that fit; keep
+        the other spares too while the budget allows, and discard the rest.
+
+        The others are kept because calls of different shapes alternate (a notebook asks for every
+        layer, then for the logits alone): discarding the big files after a small call made the next
+        big call prepare its files again while it generated (measured on the CPU toy engine, calls
+        keeping tokens only and every layer in turn: 4 new files in each of the second kind)."""
         old, self.files, total = self.files + leftovers, [], self.kept_bytes()
         for size in sorted(sizes, reverse=True):
             if total + size > SPARE_BYTES:
                 continue
-            total += size
             fit = [(s, i) for i, (s, _) in enumerate(old) if size <= s <= 2 * size + (64 << 20)]
             self.files.append(old.pop(min(fit)[1]) if fit else (size, self.submit(make, size)))
-        for _, fut in old:
-            self.submit(_discard_when_ready, fut)
+            total += self.files[-1][0]
+        for size, fut in old:  # (taken-back files first: the newest shapes)
+            if total + size <= SPARE_BYTES:
+                self.files.append((size, fut))
+                total += size
+            else:
+                self.submit(_discard_when_ready, fut)
 
     def drop(self) -> None:
         files, self.files = self.files, []
