@@ -233,12 +233,16 @@ def test_calls_of_two_shapes_in_turn_make_no_new_files_after_the_first_of_each(m
         _wait_for_pool()
         return f.path, timings
 
+    _worker.made_since_last_call()
     big, _ = capture(96 << 20, [])  # (a file fits a tensor up to 64 MiB smaller: these do not fit each other)
+    assert _worker.made_since_last_call() == {"files_made": 2, "files_made_bytes": 2 * (96 << 20)}  # its own, a spare
     small, _ = capture(64 << 10, [big])  # the client dropped the big Run
     made = mine()
+    _worker.made_since_last_call()
     again, timings = capture(96 << 20, [small])
     assert timings["files_spare"] == 1 and timings["files_ready"] == 1, timings
     assert mine() <= made  # no file made for it
+    assert _worker.made_since_last_call() == {"files_made": 0, "files_made_bytes": 0}
     _SPARES.drop()
     for p in (big, small, again):
         if os.path.exists(p):

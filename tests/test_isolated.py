@@ -379,6 +379,23 @@ def test_a_calls_collection_pauses_are_counted_in_each_of_its_processes(iso, mon
     assert t["client_server_gc"] <= t["client_server_total"] and t["client_gc"] <= t["client_capture"] + t["client_assemble"], t
 
 
+
+def test_calls_of_one_shape_in_a_row_make_no_hand_off_file_after_the_first_two(iso):
+    """Each call reports the hand-off files its worker made since the last hand-off (``files_made``,
+    ``files_made_bytes``: its own and the spares made after it, see _Spares; counted as in
+    test_capture_scheduling.py's two-shapes test). A shape's first call may make its files and spares
+    of their sizes, its second hands over the spares (the client returns the first's files as it
+    drops the Run); from the third on the files go round, none made."""
+    from nnvllm import capture
+
+    made = []
+    prompts = [f"{CLEAN} {i}" for i in range(3)]
+    for _ in range(4):
+        run = nv.generate(iso, prompts, max_tokens=5, ignore_eos=True, top_k=3)
+        made.append((capture._LAST_TIMINGS["files_made"], capture._LAST_TIMINGS["files_made_bytes"]))
+        del run
+    assert made[2:] == [(0, 0), (0, 0)], made
+
 def test_edits_on_an_isolated_engine(iso, toy_path, fidelity):
     """Edits travel to an isolated engine (the GPU default) and equal the transformers-hooks edit."""
     d = nv.generate(iso, CLEAN, max_tokens=1, layers=[0]).resid[0].shape[-1]

@@ -24,7 +24,7 @@ import torch
 from ..heap import gc_delta, gc_pauses
 from .crosshost import sees_client
 from .features import _Features
-from .handoff import _SPARES, _handover, _ShmFiles
+from .handoff import _SPARES, _handover, _ShmFiles, made_since_last_call
 from .taps import _HEAD_SITES, _Taps, _prompt_len
 
 class _Capture:
@@ -374,6 +374,8 @@ class _Capture:
         if (dev_s := self.features.device_seconds()) is not None:
             self.timings["sae_gpu"] = dev_s
         self.timings.update(gc_delta(self.gc0))
+        if self.shm is not None:
+            self.timings.update(made_since_last_call())
         out["timings"] = dict(self.timings)
         out["sae_groups"] = self.features.where()
         out["stats"] = dict(self.stats, **({"sae_encodings": self.features.encodings} if self.features else {}))

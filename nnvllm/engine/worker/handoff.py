@@ -23,11 +23,26 @@ import torch
 from .leftovers import SHM_PREFIX, shm_dir, sweep_group, sweep_stale, watch_server  # noqa: F401
 
 
+_MADE = [0, 0]  # files made in this process, and their bytes
+_MADE_SEEN = [0, 0]  # the same at the last made_since_last_call()
+
+
+def made_since_last_call() -> dict[str, int]:
+    """Hand-off files made in this process (the call's own and spares made in the background, for it
+    or after it) since the last call of this function (each capture's hand-off): ``files_made`` and
+    ``files_made_bytes``. Calls in a row of the same shape make none (benchmarks read it per call)."""
+    out = {"files_made": _MADE[0] - _MADE_SEEN[0], "files_made_bytes": _MADE[1] - _MADE_SEEN[1]}
+    _MADE_SEEN[:] = _MADE
+    return out
+
+
 class _ShmFile:
     """One file in shared memory, mapped here: ``path``, its open ``fd``, the mapping, and whether the
     mapping is registered with CUDA (page-locked, so a device copy lands in it by DMA)."""
 
     def __init__(self, nbytes: int, pin: bool = False, device: Any = None) -> None:
+        _MADE[0] += 1
+        _MADE[1] += nbytes
         self.path = os.path.join(shm_dir(), f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         self.size = nbytes
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
