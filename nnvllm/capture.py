@@ -292,7 +292,7 @@ def _assemble(model, req: _Request, outputs: list[dict], handoff: dict | None) -
     from .engine.worker.handoff import open_handover, taken_back
 
     taken_back(handoff.get("taken_back"))
-    arenas = [open_handover(a) for a in handoff["arenas"]]
+    arenas = [open_handover(a, model) for a in handoff["arenas"]]
     _LAST_TIMINGS.clear()
     _LAST_TIMINGS.update(handoff.get("timings") or {})
     _LAST_STATS.clear()

@@ -396,6 +396,29 @@ def test_calls_of_one_shape_in_a_row_make_no_hand_off_file_after_the_first_two(i
         del run
     assert made[2:] == [(0, 0), (0, 0)], made
 
+
+def test_two_engines_called_in_turn_each_get_their_own_hand_off_files_back(iso, toy_path):
+    """A dropped Run's files go back to the engine that handed them over, not to whichever engine is
+    called next: with two engines in one notebook called in turn, each engine's calls from the third
+    on make no hand-off file (before, the first engine's call took every returned file, the second's
+    were lost, and it made files anew in every call)."""
+    from conftest import engine_kwargs
+
+    from nnvllm import capture
+
+    other = nv.load(toy_path, isolate=True, **engine_kwargs(1))
+    try:
+        made: dict[str, list[int]] = {"iso": [], "other": []}
+        prompts = [f"{CORRUPT} {i}" for i in range(2)]
+        for _ in range(4):
+            for name, m in (("iso", iso), ("other", other)):
+                run = nv.generate(m, prompts, max_tokens=4, ignore_eos=True, top_k=2)
+                made[name].append(capture._LAST_TIMINGS["files_made"])
+                del run
+        assert made["iso"][2:] == [0, 0] and made["other"][2:] == [0, 0], made
+    finally:
+        other.close()
+
 def test_edits_on_an_isolated_engine(iso, toy_path, fidelity):
     """Edits travel to an isolated engine (the GPU default) and equal the transformers-hooks edit."""
     d = nv.generate(iso, CLEAN, max_tokens=1, layers=[0]).resid[0].shape[-1]

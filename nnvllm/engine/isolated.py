@@ -181,7 +181,7 @@ class RemoteEngine:
         from .transport import CLIENT_TIMINGS, _take_returned, pack, unpack
 
         t0 = time.perf_counter()
-        body, kind = pack({"prompts": prompts, "params": params, "spec": _take_returned(spec)})
+        body, kind = pack({"prompts": prompts, "params": params, "spec": _take_returned(spec, self.model)})
         r = self.conn.request("POST", "/v1/nnvllm/generate", content=body, headers={"Content-Type": kind})
         CLIENT_TIMINGS.update(http=time.perf_counter() - t0)
         # Plain data only (ids, text, file names of the shared-memory hand-off), as JSON: never unpickled.
@@ -209,7 +209,7 @@ class RemoteEngine:
         from .transport import _take_returned
         from .wire import load_data
 
-        spec = _take_returned(spec)
+        spec = _take_returned(spec, self.model)
         sid = uuid.uuid4().hex
         buf = io.BytesIO()
         asked = stop.is_set()  # stopped before it began: the stop travels with the request

@@ -358,15 +358,16 @@ def warn_eager_steps(model) -> None:
         warnings.warn(notice, stacklevel=4)
 
 
-def _take_returned(spec: dict) -> dict:
-    """``spec`` naming the recycled hand-off files this process has let go of, each handed to this
-    call only (:func:`nnvllm.engine.worker.handoff.take_returned`): two calls naming one file let the
-    engine hand it over to the first and write the second's values into it."""
+def _take_returned(spec: dict, model: object) -> dict:
+    """``spec`` naming the recycled hand-off files this process has let go of that ``model``'s engine
+    handed over, each named to this call only (:func:`nnvllm.engine.worker.handoff.take_returned`): two
+    calls naming one file let the engine hand it over to the first and write the second's values
+    into it."""
     if "returned" not in spec:
         return spec
     from .worker.handoff import take_returned
 
-    return {**spec, "returned": take_returned()}
+    return {**spec, "returned": take_returned(model)}
 
 
 class InProcessEngine:
@@ -376,13 +377,14 @@ class InProcessEngine:
         llm = model.llm
         if llm is None:
             raise RuntimeError("this model was closed; load it again with nv.load(...)")
+        self.model = model  # (whose hand-off files its calls name as returned)
         self.llm = llm
         self.lock = engine_lock(llm)
 
     def capture(self, prompts: list[str], params: dict, spec: dict) -> tuple[list[dict], dict | None]:
         """Arm the worker, generate, collect: (plain outputs, the worker's hand-off)."""
         with self.lock.call("nv.generate"):
-            spec = _take_returned(spec)
+            spec = _take_returned(spec, self.model)
             t0 = time.perf_counter()
             self.llm.collective_rpc(ARM, args=(spec,))
             t1 = time.perf_counter()
@@ -405,7 +407,7 @@ class InProcessEngine:
         call ends with what was produced. Closing the generator early aborts and disarms. The engine
         is held from the first step to the end (:class:`EngineLock`)."""
         with self.lock.call("a stream (nv.stream, LiveGeneration)"):
-            yield from self._stream(prompts, params, _take_returned(spec), stop)
+            yield from self._stream(prompts, params, _take_returned(spec, self.model), stop)
 
     def _stream(self, prompts: list[str], params, spec: dict, stop: threading.Event):
         import uuid

@@ -449,30 +449,38 @@ def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFi
 _RETURNED: set[str] = set()
 # path -> how many times this process has mapped it: only the finalizer of its latest mapping returns it
 _MAPPED: dict[str, int] = {}
+# path -> the model whose engine handed it over (its ``id``): a file goes back to that engine's worker only
+_OWNER: dict[str, int] = {}
 
 
-def returned_files() -> list[str]:
-    """The recycled hand-off files this process no longer uses (still present), for the next call's spec."""
+def returned_files(owner: Any = None) -> list[str]:
+    """The recycled hand-off files this process no longer uses (still present), for the next call's
+    spec: those the engine of model ``owner`` handed over (every engine's with None)."""
     paths = _RETURNED.copy()  # (one C call: a finalizer adding a path cannot interleave)
     for p in [p for p in paths if not os.path.exists(p)]:  # its engine let it go, or ended
         _RETURNED.discard(p)
         _MAPPED.pop(p, None)
+        _OWNER.pop(p, None)
         paths.discard(p)
+    if owner is not None:
+        paths = {p for p in paths if _OWNER.get(p) == id(owner)}
     return sorted(paths)
 
 
 _TAKING = threading.Lock()
 
 
-def take_returned() -> list[str]:
-    """:func:`returned_files`, for one call's spec: each file is named to one call only.
+def take_returned(owner: Any = None) -> list[str]:
+    """:func:`returned_files` of model ``owner``'s engine, for one call's spec: each file is named to one call only.
 
     Two calls that named the same file (two threads, or a stream and a call) let the engine take it
     back for the first, hand it over again with the first's values, and then take it back for the
-    second and write the second's values into it.
+    second and write the second's values into it. A file named to another engine than the one that
+    handed it over is lost to both: that worker ignores it, and its own never hears of it (two engines
+    in one notebook, called in turn, made their files anew in every call).
     """
     with _TAKING:
-        paths = returned_files()
+        paths = returned_files(owner)
         _RETURNED.difference_update(paths)
     return paths
 
@@ -488,8 +496,9 @@ def taken_back(paths) -> None:
     _RETURNED.difference_update(paths or ())
 
 
-def _map_kept(path: str, nbytes: int) -> torch.Tensor:
-    """Map a recycled file; when the last tensor viewing it is freed, it is returned to the engine."""
+def _map_kept(path: str, nbytes: int, owner: Any = None) -> torch.Tensor:
+    """Map a recycled file; when the last tensor viewing it is freed, it is returned to the engine
+    of model ``owner``, whose engine handed it over)."""
     import mmap
     import weakref
 
@@ -502,6 +511,7 @@ def _map_kept(path: str, nbytes: int) -> torch.Tensor:
     # time, over this mapping's values. And a finalizer of an older mapping of the same file, run
     # late (a cycle), must not return it either.
     mapping = _MAPPED[path] = _MAPPED.get(path, 0) + 1
+    _OWNER[path] = id(owner)
     _RETURNED.discard(path)
     weakref.finalize(arr, _return, path, mapping)
     return torch.from_numpy(arr)
@@ -525,9 +535,9 @@ def _check_handed(f: dict) -> torch.dtype:
     return dtype
 
 
-def open_handover(part: dict) -> dict[str, torch.Tensor]:
+def open_handover(part: dict, owner: Any = None) -> dict[str, torch.Tensor]:
     """The client side of :func:`_handover`: map the files (then unlink them, unless the engine keeps
-    them for recycling) or take the tensors."""
+    them for recycling: they go back to the engine of model ``owner``) or take the tensors."""
     if "tensors" in part:
         return part["tensors"]
     if "inline" in part:  # from a worker on another host (.crosshost)
@@ -544,13 +554,14 @@ def open_handover(part: dict) -> dict[str, torch.Tensor]:
         kept = bool(f.get("kept"))
         try:
             if numel and kept:
-                out[name] = _map_kept(f["path"], numel * item).view(dtype).view(f["shape"])
+                out[name] = _map_kept(f["path"], numel * item, owner).view(dtype).view(f["shape"])
             elif numel:
                 t = torch.from_file(f["path"], shared=True, size=numel * item, dtype=torch.uint8)
                 out[name] = t.view(dtype).view(f["shape"])
             else:
                 out[name] = torch.empty(f["shape"], dtype=dtype)
                 if kept:
+                    _OWNER[f["path"]] = id(owner)
                     _RETURNED.add(f["path"])
         finally:
             if not kept:
