@@ -9,7 +9,9 @@
 Each run is recorded in one file, ``benchmarks/results/capture_gpu_<machine>.json`` (or ``--out``),
 as the run ``--name`` (default: the shape, or ``big`` with ``--big``), beside the other workloads'
 runs, with its command, commit, vLLM version and date (``benchmarks/provenance.py``); it is written
-after every case, so a killed command keeps what finished. ``--all`` runs the three workloads one
+after every case, so a killed command keeps what finished; an interrupted one (``timeout -s INT``, as
+``scripts/gpu_lane.sh`` cuts a stage) also keeps, under ``errors``, what its running case printed so
+far (a ``paired`` case prints each turn). ``--all`` runs the three workloads one
 after the other, every case of each (``ALL_CASES``), as the runs ``llama1b``, ``gpt2s`` and ``big``
 of that one file. Its cases take about a minute each on an H200 (start-up included), so it runs past
 a ten-minute command limit: split it there with ``--cases`` and ``--name``, as
@@ -654,6 +656,10 @@ def main() -> None:
                 out["errors"][c] = (p.stderr or p.stdout)[-3000:]
         except subprocess.TimeoutExpired as e:
             out["errors"][c] = f"timed out after {args.timeout} s: " + str((e.stderr or b"")[-2000:])
+        except _Interrupted as e:  # cut by the command's limit: what the case printed so far is kept
+            out["errors"][c] = f"interrupted after {time.perf_counter() - t:.0f} s: " + e.stderr[-3000:]
+            print(f"recorded as run {name!r} in {record('capture_gpu', name, out, args.out, prov)}", flush=True)
+            raise SystemExit(130) from None
         print(f"{c}: {time.perf_counter() - t:.1f} s wall; {out['seconds']}", flush=True)
         _ratios(out)
         record("capture_gpu", name, out, args.out, prov)
@@ -673,6 +679,14 @@ def main() -> None:
     print(f"recorded as run {name!r} in {record('capture_gpu', name, out, args.out, prov)}")
 
 
+class _Interrupted(Exception):
+    """A case stopped by an interrupt of this command (its ``stderr`` so far)."""
+
+    def __init__(self, stderr: str) -> None:
+        super().__init__("interrupted")
+        self.stderr = stderr
+
+
 def _run_case(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     """One case in its own process group, killed whole at ``timeout``: a case's engine processes
     would otherwise outlive it and hold the GPU memory the next case needs."""
@@ -682,9 +696,11 @@ def _run_case(cmd: list[str], env: dict, timeout: float) -> subprocess.Completed
                          start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
+        if isinstance(e, KeyboardInterrupt):  # this command's own limit (gpu_lane.sh's STAGE_TIMEOUT)
+            raise _Interrupted(err or "") from None
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=(err or "").encode()) from None
     try:
         os.killpg(p.pid, signal.SIGKILL)  # whatever it left running
