@@ -400,8 +400,8 @@ def test_calls_of_one_shape_in_a_row_make_no_hand_off_file_after_the_first_two(i
 def test_two_engines_called_in_turn_each_get_their_own_hand_off_files_back(iso, toy_path):
     """A dropped Run's files go back to the engine that handed them over, not to whichever engine is
     called next: with two engines in one notebook called in turn, each engine's calls from the third
-    on make no hand-off file (before, the first engine's call took every returned file, the second's
-    were lost, and it made files anew in every call)."""
+    on make no hand-off file (were a call to take every returned file, the other engine's would be
+    lost, and that engine would make its files anew in every call)."""
     from conftest import engine_kwargs
 
     from nnvllm import capture

@@ -222,9 +222,9 @@ class _Spares:
         the other spares too while the budget allows, and discard the rest.
 
         The others are kept because calls of different shapes alternate (a notebook asks for every
-        layer, then for the logits alone): discarding the big files after a small call made the next
-        big call prepare its files again while it generated (measured on the CPU toy engine, calls
-        keeping tokens only and every layer in turn: 4 new files in each of the second kind)."""
+        layer, then for the logits alone): discarded after a small call, the big files would be made
+        again during the next big call's generation (on the CPU toy engine, calls keeping tokens only
+        and every layer in turn: 4 new files in each of the second kind)."""
         old, self.files, total = self.files + leftovers, [], self.kept_bytes()
         for size in sorted(sizes, reverse=True):
             if total + size > SPARE_BYTES:
@@ -477,7 +477,7 @@ def take_returned(owner: Any = None) -> list[str]:
     back for the first, hand it over again with the first's values, and then take it back for the
     second and write the second's values into it. A file named to another engine than the one that
     handed it over is lost to both: that worker ignores it, and its own never hears of it (two engines
-    in one notebook, called in turn, made their files anew in every call).
+    in one notebook, called in turn, would each make their files anew in every call).
     """
     with _TAKING:
         paths = returned_files(owner)
