@@ -6,6 +6,8 @@ Cases (same engine, same greedy workload; each capturing case keeps the residual
 blocks it names at every position the engine computes):
 
 - ``bare``: ``model.llm.generate`` on nnvllm's engine, nothing captured (vLLM's own path).
+- ``plain vLLM``: ``vllm.LLM`` on the same checkpoint with the engine's dtype, context and eager
+  setting, without nnsight's runner or nnvllm's taps: what the engine itself costs over vLLM.
 - ``nv.generate all``: nnvllm's worker-side hooks, all blocks' residuals, logits and samples.
 - ``nv.generate 1 layer``: the same for one block.
 - ``nnsight per-invoke``: one nnsight invoke per prompt, all blocks stacked per step under
@@ -79,6 +81,18 @@ def main() -> None:
     def bare():
         model.llm.generate(prompts, params, use_tqdm=False)
 
+    from vllm import LLM
+
+    from nnvllm.engine.models import cpu_defaults
+
+    mc = model.llm.llm_engine.vllm_config.model_config
+    kw = {} if torch.cuda.is_available() else cpu_defaults()
+    kw.update(dtype=mc.dtype, max_model_len=mc.max_model_len, enforce_eager=mc.enforce_eager)
+    plain_llm = LLM(str(path), **kw)
+
+    def plain():
+        plain_llm.generate(prompts, params, use_tqdm=False)
+
     def nv_all():
         nv.generate(model, prompts, max_tokens=T, ignore_eos=True)
 
@@ -93,7 +107,8 @@ def main() -> None:
                     for _ in tracer.all():
                         steps.append(torch.stack([model.transformer.h[i].output.clone() for i in range(L)]))
 
-    cases = [("bare vLLM generate", bare), ("nv.generate, all layers", nv_all), ("nv.generate, 1 layer", nv_one)]
+    cases = [("bare vLLM generate", bare), ("plain vLLM, no nnsight", plain), ("nv.generate, all layers", nv_all),
+             ("nv.generate, 1 layer", nv_one)]
     if not args.skip_invokes:
         cases.append(("nnsight, one invoke per prompt", nnsight_invokes))
     results = _interleaved(cases, args.repeats)

@@ -76,7 +76,11 @@ batch, then the median of ``--repeats``):
   ``nv_split_kernels``: one call of each under torch.profiler, the engine core in the case's
   process: the device's busy time against the call's wall time (``_kernels``: where the device
   waits on the host), the costliest kernels, and the host's synchronizing and launching calls.
-  ``bare_kernels``: bare vLLM's default run the same way, for the kernels it runs.
+  ``bare_kernels``: bare vLLM's default run the same way, for the kernels it runs;
+  ``bare_nocompile_kernels``: bare vLLM with nnvllm's engine settings (no torch.compile, full graphs
+  for decode only) the same way. ``bare_profile`` and ``bare_nocompile_profile``: one call of each
+  under cProfile, as ``nv_split_profile``. Each cProfile record also lists the 30 costliest
+  functions of nnsight and nnvllm by cumulative time (``ours``).
 - ``paired``: nnvllm's defaults against vLLM's own, with a shared host's drift cancelled: in one process, bare
   vLLM's default engine (``vllm.LLM``, torch.compile + CUDA graphs), ``nv.load(path)`` (its default:
   isolated on a GPU) and ``nv.load(path, isolate=False)``, each with 0.28 of the GPU, called in turns
@@ -188,7 +192,8 @@ def _timed(fn, repeats: int, snap=None) -> dict:
 
 def _profiled(fn) -> dict:
     """A warm-up call, then one call under cProfile: its seconds (with the profiler on) and the 30
-    costliest functions by own time and by cumulative time, one line each."""
+    costliest functions by own time, by cumulative time, and of nnsight and nnvllm by cumulative time
+    (``ours``), one line each."""
     import cProfile
     import io
     import pstats
@@ -200,9 +205,9 @@ def _profiled(fn) -> dict:
     fn()
     pr.disable()
     out = {"median": time.perf_counter() - t}
-    for key in ("tottime", "cumulative"):
+    for key, only in (("tottime", ()), ("cumulative", ()), ("ours", ("nnsight|nnvllm",))):
         buf = io.StringIO()
-        pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(30)
+        pstats.Stats(pr, stream=buf).sort_stats("cumulative" if key == "ours" else key).print_stats(*only, 30)
         out[key] = [ln.rstrip() for ln in buf.getvalue().splitlines() if ln.strip()][-31:]
     return out
 
@@ -251,20 +256,24 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
     L = SHAPES[shape]["layers"]
     res: dict = {}
     gpu_util = 0.6
-    if name in ("bare_graphs", "bare_eager", "bare_nocompile", "vllm_lens", "bare_kernels"):
-        if name == "bare_kernels":  # bare vLLM's default under torch.profiler: its core in this process
+    if name in ("bare_graphs", "bare_eager", "bare_nocompile", "vllm_lens", "bare_kernels", "bare_profile",
+                "bare_nocompile_kernels", "bare_nocompile_profile"):
+        profiled = name.endswith(("_kernels", "_profile"))
+        if profiled:  # under a profiler: the engine core in this process
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM, SamplingParams
 
         kw = {"enforce_eager": True} if name == "bare_eager" else {}
-        if name == "bare_nocompile":  # the graphs nnvllm's engine records, without nnsight's runner
+        if name.startswith("bare_nocompile"):  # the graphs nnvllm's engine records, without nnsight's runner
             kw = {"compilation_config": {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}}
         llm = LLM(path, dtype="float16", gpu_memory_utilization=gpu_util, **kw)
         extra_args = {"output_residual_stream": list(range(L))} if name == "vllm_lens" else None
         sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True, extra_args=extra_args)
-        if name == "bare_kernels":
+        if name.endswith("_kernels"):
             k = _kernel_profile(lambda: llm.generate(ps, sp, use_tqdm=False))
             res[name], res[name + "_kernels"] = k.pop("wall"), k
+        elif name.endswith("_profile"):
+            res[name] = _profiled(lambda: llm.generate(ps, sp, use_tqdm=False))
         else:
             res[name] = _timed(lambda: llm.generate(ps, sp, use_tqdm=False), repeats)
         res[name + "_config"] = _engine_config(llm)
@@ -650,8 +659,8 @@ def main() -> None:
                         out.setdefault("all", {})[k] = v["all"]
                         if "per_call" in v:
                             out.setdefault("per_call", {})[k] = v["per_call"]
-                    if isinstance(v, dict) and "tottime" in v:  # a profiled call (nv_trace_profile)
-                        out.setdefault("profiles", {})[k] = {key: v[key] for key in ("tottime", "cumulative")}
+                    if isinstance(v, dict) and "tottime" in v:  # a profiled call (the *_profile cases)
+                        out.setdefault("profiles", {})[k] = {key: v[key] for key in ("tottime", "cumulative", "ours") if key in v}
             else:
                 out["errors"][c] = (p.stderr or p.stdout)[-3000:]
         except subprocess.TimeoutExpired as e:

@@ -43,7 +43,9 @@
 #                                    text vs token-id prompts, tokens only, every layer; then each under cProfile
 #                kernels             capture_gpu.py, one call of bare vLLM's default and of each split form under
 #                                    torch.profiler: the device's busy time against the wall time, the costliest
-#                                    kernels, the host's synchronizing calls
+#                                    kernels, the host's synchronizing calls (and bare vLLM with nnvllm's settings)
+#                host                capture_gpu.py, one call of bare vLLM's default, of bare vLLM with nnvllm's
+#                                    settings and of each split form under cProfile, engine core in the process
 #                trace_saves         trace_saves.py, a trace's saved tensors back as raw bytes against torch's
 #                                    pickling, Llama-1B shape 64 x 32 (docs/engines.md, "What a trace sends back")
 #                trace_payload       trace_payload.py, what a trace sends with each invoke, the same shape
@@ -88,7 +90,7 @@ STAGES=("$@")
 for s in "${STAGES[@]}"; do
   case "$s" in
     setup|suite|notebooks|bench|tp) ;;
-    -h|--help) sed -n '2,50p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p}' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_lane.sh: unknown stage '$s' (expected setup, suite, notebooks, bench or tp)" >&2; exit 2 ;;
   esac
 done
@@ -250,7 +252,9 @@ bench() {
       paired) bench_item "$item" $c --name llama1b_paired --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
                 --timeout 400 --root $root --cases paired ;;
       kernels) bench_item "$item" $c --name llama1b_kernels --shape llama1b --prompts 64 --tokens 128 \
-                 --timeout 300 --root $root --cases ${BENCH_CASES:-bare_kernels,nv_split_kernels} ;;
+                 --timeout 300 --root $root --cases ${BENCH_CASES:-bare_kernels,bare_nocompile_kernels,nv_split_kernels} ;;
+      host) bench_item "$item" $c --name llama1b_host --shape llama1b --prompts 64 --tokens 128 \
+              --timeout 300 --root $root --cases ${BENCH_CASES:-bare_profile,bare_nocompile_profile,nv_split_profile} ;;
       split) bench_item "$item" $c --name llama1b_split --shape llama1b --prompts 64 --tokens 128 --repeats 8 \
                --timeout 300 --root $root --cases ${BENCH_CASES:-nv_split,nv_split_profile} ;;
       trace_saves|trace_payload)  # (a Llama-1B-shape checkpoint, built as capture_gpu.py builds it)

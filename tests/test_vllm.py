@@ -141,6 +141,46 @@ def test_an_edit_installed_on_the_engine_runs_for_every_request(toy, toy_path, f
     assert (after.cpu()[0] - clean.logits[0][0]).abs().max() < 1e-4
 
 
+def test_nnsight_tracks_a_steps_requests_only_where_a_trace_or_an_installed_edit_needs_it(toy, toy_path, fidelity):
+    """nnsight's runner tracks every request of a step (a record per request, its span in the batch,
+    the logits and samples served to its workers) only where it has work there. The steps of
+    ``nv.generate`` and of the engine's own generate run vLLM's bookkeeping alone (counted as
+    ``untraced``); a trace's steps, and every step while a ``model.edit`` is installed, run nnsight's.
+    Between them the trace still reads what nv.generate captures, and the installed edit still
+    reaches nv.generate's request: its logits are what transformers computes with the edit's hook."""
+    from vllm import SamplingParams
+
+    def untraced() -> int:
+        return toy.llm.collective_rpc("nnvllm_step_modes", kwargs={"reset": True})[0].get("untraced", 0)
+
+    untraced()
+    run = nv.generate(toy, PROMPT, max_tokens=3, layers=None)
+    assert untraced() >= 3  # the prompt's step and two decode steps, at least
+    toy.llm.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    assert untraced() >= 3
+    with toy.trace(PROMPT, temperature=0.0, max_tokens=3) as tracer:
+        logits = list().save()
+        for _ in tracer.iter[:3]:
+            logits.append(toy.logits.clone())
+    assert untraced() == 0
+    for step in range(3):
+        assert (logits[step].cpu()[0] - run.logits[0][step].float()).abs().max() < 1e-4
+    assert nv.generate(toy, PROMPT, max_tokens=3, layers=None).text == run.text
+    assert untraced() >= 3  # the trace's request is not tracked after it
+    cols = (32, 224)
+    with toy.edit(name="zero_cfc_generate"):
+        out = toy.transformer.h[0].mlp.c_fc.output[0]
+        out[:, cols[0]:cols[1]] = 0
+    try:
+        edited = nv.generate(toy, PROMPT, max_tokens=1, layers=None)
+        assert untraced() == 0
+    finally:
+        toy.clear_edits()
+    hf = fidelity.calibrated(lambda device: _zero_cfc_reference(toy_path, cols, device))
+    hf.check(edited.logits[0][0].float(), 1e-3, what="nv.generate's logits under an installed edit")
+    assert (edited.logits[0][0] - run.logits[0][0]).abs().max() > 1e-2  # the edit changed them
+
+
 @pytest.mark.tp
 def test_tp_activations_agree_with_transformers(toy, toy_path, tp, fidelity):
     """Under --tp N every captured quantity still matches the single-device reference."""

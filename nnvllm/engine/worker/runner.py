@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import torch
+from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 
 from .arena import _Capture
 from .handoff import _SPARES, sweep_stale, watch_server
@@ -95,6 +96,25 @@ class RecordingRunner:
                 get_forward_context().skip_compiled = True  # nnsight's hooks run only in the plain forward
         return super()._model_forward(*args, **kwargs)
 
+    # ---- nnsight's per-request work, only in steps that carry some
+    def _update_states(self, scheduler_output) -> None:
+        if _nnsight_idle(self, scheduler_output.scheduled_new_reqs):
+            plan = getattr(self, "_nnvllm_plan", None)
+            if plan is not None:
+                plan.modes["untraced"] += 1
+            return super(NNsightGPUModelRunner, self)._update_states(scheduler_output)
+        return super()._update_states(scheduler_output)
+
+    def sample_tokens(self, *args, **kwargs):
+        if _nnsight_idle(self):
+            return super(NNsightGPUModelRunner, self).sample_tokens(*args, **kwargs)
+        return super().sample_tokens(*args, **kwargs)
+
+    def _sample(self, *args, **kwargs):
+        if _nnsight_idle(self):
+            return super(NNsightGPUModelRunner, self)._sample(*args, **kwargs)
+        return super()._sample(*args, **kwargs)
+
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         taps = getattr(self, "_nnvllm_taps", None)
         cap = getattr(self, "_nnvllm_capture", None)
@@ -108,6 +128,24 @@ class RecordingRunner:
         if cap is not None and out is None:
             cap.step(self)
         return out
+
+
+def _nnsight_idle(runner: Any, new_requests: Any = ()) -> bool:
+    """Whether nnsight has nothing to do in this step: no request it tracks (a trace's, or one a
+    ``model.edit`` block rides), no ``model.edit`` installed, and no arriving request that carries
+    nnsight's arguments. Then its runner's per-step work (``Requests.add``/``scope``/``harvest`` over
+    every request in the batch, serving the logits and samples to no worker) changes nothing, and the
+    step runs vLLM's own ``_update_states``, ``sample_tokens`` and ``_sample``. An untraced request
+    that arrives this way is one nnsight never tracks; should a trace join the batch later, nnsight
+    counts its tokens as another tenant's, as it does for any request it does not track."""
+    reqs = getattr(runner, "nnsight_requests", None)
+    if reqs is None or reqs.requests or reqs.templates:
+        return False
+    for data in new_requests:
+        extra = getattr(getattr(data, "sampling_params", None), "extra_args", None) or {}
+        if any(str(k).startswith("nnsight") for k in extra):
+            return False
+    return True
 
 
 def compiled(runner: Any) -> bool:
@@ -207,7 +245,8 @@ class CaptureWorker:
         at the blocks' outputs) and eagerly, since the engine started or the last ``reset``; and whether
         the decode graphs are recorded in pieces too (:mod:`.pieces`). Under ``NNVLLM_COMPILE=1`` also
         how many forwards ran the compiled code (``compiled``) and the plain forward (``plain``: steps
-        carrying nnsight's work)."""
+        carrying nnsight's work). ``untraced`` counts the steps in which nnsight had no work, which
+        skipped its per-request bookkeeping (:func:`_nnsight_idle`)."""
         plan = getattr(self.model_runner, "_nnvllm_plan", None)
         if plan is None:
             return {"pieces_recorded": False}
