@@ -142,6 +142,22 @@ def test_the_paired_cost_table_in_docs_capture_is_its_recorded_run():
         assert f"took {min(hs):.3f} to {max(hs):.3f} s" == stated and stated in flat, (min(hs), max(hs))
 
 
+def test_the_cpu_engine_cost_in_docs_capture_is_its_recorded_run():
+    """docs/capture.md's ratios of the engine's own generate and of nv.generate to plain vLLM on the
+    CPU are those of run ``64x64 L2 d64``, and the command it gives is the run's."""
+    import json
+
+    root = README.parent
+    flat = " ".join((root / "docs" / "capture.md").read_text().split())
+    run = json.loads((root / "benchmarks" / "results" / "capture_cpu.json").read_text())["runs"]["64x64 L2 d64"]
+    s = run["seconds"]
+    plain = s["plain vLLM, no nnsight"]
+    own, every = s["bare vLLM generate"] / plain, s["nv.generate, all layers"] / plain
+    assert (f"the engine's own generate took {own:.2f}x plain vLLM's and `nv.generate` keeping every block "
+            f"{every:.2f}x") in flat, (own, every)
+    assert f"`{run['command']}`" in flat, run["command"]
+
+
 def test_the_trace_cost_tables_in_docs_engines_are_their_recorded_runs():
     """docs/engines.md's tables of what a trace sends and sends back state the seconds of the CPU runs
     in ``benchmarks/results/trace_payload_cpu.json`` and ``trace_saves_cpu.json``, and the text the
