@@ -90,6 +90,11 @@ batch, then the median of ``--repeats``):
   fraction); nnvllm's timings of each call (``per_call``, with each process's collection pauses:
   ``gc*`` the worker's, ``client_server_gc*`` the isolated server's, ``client_gc*`` this process's),
   and this process's pauses in each bare call (``paired_bare_gc``).
+  ``paired_split``: the same with two more forms, each engine with 0.2 of the GPU: vLLM with nnvllm's
+  engine settings (``settings``: no torch.compile, full graphs for decode only) and the in-process
+  engine's own generate, nothing captured (``own``). ``paired_split_summary`` also has each step of
+  the gap, per turn: ``x bare settings``, ``x settings own``, ``x own in_process`` (the capture) and
+  ``x in_process default`` (the isolation).
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -350,57 +355,69 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         res[name + "_moved"] = float((run.resid[0].float() - clean.resid[0].float()).abs().max())
         model.close()
         return res
-    if name == "paired":
+    if name in ("paired", "paired_split"):
         # Every engine started before any is timed, bare vLLM first (before nnvllm is imported, so
         # nothing of nnsight's is in its process when its engine core starts); then turns.
         from vllm import LLM, SamplingParams
 
-        share = 0.28
+        split = name == "paired_split"
+        share = 0.2 if split else 0.28
         bare = LLM(path, dtype="float16", gpu_memory_utilization=share)
         sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
+        if split:  # vLLM with nnvllm's engine settings (no torch.compile, full graphs for decode only)
+            settings = LLM(path, dtype="float16", gpu_memory_utilization=share,
+                           compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
         import nnvllm as nv
 
         iso = nv.load(path, dtype="float16", gpu_memory_utilization=share)
         inproc = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=share)
-        res["paired_config"] = {"bare": _engine_config(bare), "in_process": _engine_config(inproc.llm),
-                                "isolated_is_isolated": bool(getattr(iso, "_nnvllm_isolated", False))}
-        forms = {"bare": lambda: bare.generate(ps, sp, use_tqdm=False),
-                 "default": lambda: nv.generate(iso, ps, max_tokens=T, ignore_eos=True),
-                 "in_process": lambda: nv.generate(inproc, ps, max_tokens=T, ignore_eos=True)}
+        res[f"{name}_config"] = {"bare": _engine_config(bare), "in_process": _engine_config(inproc.llm),
+                                 "isolated_is_isolated": bool(getattr(iso, "_nnvllm_isolated", False))}
+        forms = {"bare": lambda: bare.generate(ps, sp, use_tqdm=False)}
+        if split:
+            res[f"{name}_config"]["settings"] = _engine_config(settings)
+            forms["settings"] = lambda: settings.generate(ps, sp, use_tqdm=False)
+            forms["own"] = lambda: inproc.llm.generate(ps, sp, use_tqdm=False)  # nnvllm's engine, nothing kept
+        forms["default"] = lambda: nv.generate(iso, ps, max_tokens=T, ignore_eos=True)
+        forms["in_process"] = lambda: nv.generate(inproc, ps, max_tokens=T, ignore_eos=True)
         for fn in forms.values():
             fn()  # warm-up
         from nnvllm import capture
 
         labels = list(forms)
         times: dict[str, list[float]] = {label: [] for label in labels}
-        per_call: dict[str, list[dict]] = {label: [] for label in labels[1:]}  # nnvllm's timings of each call
+        per_call: dict[str, list[dict]] = {label: [] for label in ("default", "in_process")}  # nnvllm's timings
         from nnvllm.engine.heap import gc_delta, gc_pauses
 
         bare_gc: list[dict] = []  # this process's collection pauses in each bare call (its client's)
         for turn in range(repeats):
-            for label in labels[turn % 3:] + labels[:turn % 3]:
+            k = turn % len(labels)
+            for label in labels[k:] + labels[:k]:
                 gc0 = gc_pauses()
                 t = time.perf_counter()
                 forms[label]()
                 times[label].append(time.perf_counter() - t)
                 if label in per_call:
                     per_call[label].append(dict(capture._LAST_TIMINGS))
-                else:
+                elif label == "bare":
                     bare_gc.append(gc_delta(gc0))
             # (on stderr as it goes: a case cut at its timeout still shows its turns)
-            print(f"paired turn {turn}: " + " ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()),
+            print(f"{name} turn {turn}: " + " ".join(f"{k} {v[-1]:.3f}" for k, v in times.items()),
                   file=sys.stderr, flush=True)
         summary = {}
         for label, ts in times.items():
             med = statistics.median(ts)
-            res[f"paired_{label}"] = {"median": med, "all": ts}
+            res[f"{name}_{label}"] = {"median": med, "all": ts}
             if label in per_call:
-                res[f"paired_{label}"]["per_call"] = per_call[label]
+                res[f"{name}_{label}"]["per_call"] = per_call[label]
             summary[f"spread {label}"] = max(abs(x / med - 1) for x in ts)
             if label != "bare":
                 summary[f"x bare {label}"] = statistics.median(x / b for x, b in zip(ts, times["bare"]))
-        res["paired_summary"] = summary
-        res["paired_bare_gc"] = bare_gc
+        if split:  # each step of the gap, per turn: settings, nnvllm's engine, the capture, the isolation
+            for a, b in (("settings", "bare"), ("own", "settings"), ("in_process", "own"), ("default", "in_process")):
+                summary[f"x {b} {a}"] = statistics.median(x / y for x, y in zip(times[a], times[b]))
+        res[f"{name}_summary"] = summary
+        res[f"{name}_bare_gc"] = bare_gc
         iso.close()
         inproc.close()
         return res
@@ -725,13 +742,17 @@ def table(run: dict) -> str:
     bare = s.get("bare_graphs")
     lines = [f"`{run.get('command', '?')}` (vLLM {run.get('vllm', '?')}, {run.get('machine', '?')}, "
              f"{str(run.get('date', '?'))[:10]})", ""]
-    paired = run.get("seconds", {}).get("paired_summary")
-    if paired:  # the paired case: each engine's median, its turns' median ratio to bare, its spread
+    for case in ("paired", "paired_split"):
+        paired = run.get("seconds", {}).get(f"{case}_summary")
+        if not paired:
+            continue
+        # the paired cases: each engine's median, its turns' median ratio to bare, its spread
         lines += ["| engine | seconds | x bare, per turn | spread |", "|---|---|---|---|"]
-        for label in ("bare", "default", "in_process"):
-            ratio = paired.get(f"x bare {label}", 1.0)
-            lines.append(f"| `{label}` | {s[f'paired_{label}']:.3f} | {ratio:.2f} | "
-                         f"±{100 * paired[f'spread {label}']:.0f}% |")
+        for label in ("bare", "settings", "own", "default", "in_process"):
+            if f"spread {label}" in paired:
+                ratio = paired.get(f"x bare {label}", 1.0)
+                lines.append(f"| `{label}` | {s[f'{case}_{label}']:.3f} | {ratio:.2f} | "
+                             f"±{100 * paired[f'spread {label}']:.0f}% |")
         return "\n".join(lines)
     lines += ["| case | seconds | x bare_graphs |", "|---|---|---|"] if bare else ["| case | seconds |", "|---|---|"]
     for k, v in s.items():

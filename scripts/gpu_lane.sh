@@ -39,6 +39,8 @@
 #                                    vLLM's default and nv.load's graph engine, 12 calls each
 #                paired              capture_gpu.py, bare vLLM's default, nv.load's default and the in-process engine
 #                                    in one process, called in turns, 12 each
+#                paired_split        capture_gpu.py, the paired case with vLLM under nnvllm's settings and the
+#                                    in-process engine's own generate too: each step of the gap, per turn
 #                split               capture_gpu.py, where nv.generate's cost over the engine's own generate goes:
 #                                    text vs token-id prompts, tokens only, every layer; then each under cProfile
 #                kernels             capture_gpu.py, one call of bare vLLM's default and of each split form under
@@ -251,6 +253,8 @@ bench() {
                   --timeout 200 --root $root --cases ${BENCH_CASES:-bare_graphs,nv_graphs_compiled,nv_graphs_compiled_residgraphs,nv_graphs} ;;
       paired) bench_item "$item" $c --name llama1b_paired --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
                 --timeout 400 --root $root --cases paired ;;
+      paired_split) bench_item "$item" $c --name llama1b_paired_split --shape llama1b --prompts 64 --tokens 128 \
+                      --repeats 12 --timeout 500 --root $root --cases paired_split ;;
       kernels) bench_item "$item" $c --name llama1b_kernels --shape llama1b --prompts 64 --tokens 128 \
                  --timeout 300 --root $root --cases ${BENCH_CASES:-bare_kernels,bare_nocompile_kernels,nv_split_kernels} ;;
       host) bench_item "$item" $c --name llama1b_host --shape llama1b --prompts 64 --tokens 128 \
