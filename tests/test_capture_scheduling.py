@@ -53,6 +53,27 @@ def test_chunked_prefill_places_every_position_once(toy_path):
     _check(run, toy_path, "chunked")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fixed CPU fp32 bounds; on a GPU, capture fidelity is checked with calibrated bounds in test_capture.py")
+def test_a_prompt_computed_a_token_a_step_beside_decoding_requests_keeps_its_logits_rows(toy_path):
+    """A step budget of as many tokens as requests: while three requests decode, the fourth's prompt
+    goes in one token a step, in steps shaped like decode steps (one token per request). Its logits
+    rows are kept only from its last prompt token on, as in any other step. Every fourth prompt is
+    three times as long, so that the rows a misplaced prompt token would land on (before its own)
+    hold logits already written: a misplacement shows in another request's logits."""
+    long = [" ".join(FACTS[i:i + 3]) for i in range(0, 9, 3)]
+    prompts = [p for i in range(3) for p in (*FACTS[3 * i:3 * i + 3], long[i])]
+    model = nv.load(toy_path, isolate=False, **engine_kwargs(1, enable_chunked_prefill=True,
+                                                               max_num_batched_tokens=4, max_num_seqs=4))
+    try:
+        run = nv.generate(model, prompts, max_tokens=6, ignore_eos=True)
+    finally:
+        model.close()
+    from nnvllm.capture import _LAST_STATS
+
+    assert _LAST_STATS["prompt_token_steps"] > 0  # decode-shaped steps carried a prompt token
+    _check(run, toy_path, "a token a step")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the KV-cache size and 32-token blocks that force preemption are chosen for the CPU backend")
 def test_preempted_requests_are_recomputed_and_placed_by_position(toy_path, monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # it would override the size below

@@ -69,7 +69,8 @@ class _Capture:
         self.taken_back = _SPARES.take_back(spec.get("returned")) if remote and not self.inline else []
         self.timings: dict[str, float] = {}
         self.gc0 = gc_pauses()  # this process's collection pauses until the hand-off (benchmarks)
-        self.stats = {"rows": 0, "partial_prefills": 0, "steps": 0, "batch_changes": 0, "eager": bool(self.need_eager)}
+        self.stats = {"rows": 0, "partial_prefills": 0, "prompt_token_steps": 0, "steps": 0, "batch_changes": 0,
+                      "eager": bool(self.need_eager)}
         # nv.stream: positions computed per request (kept only when streaming) and how far peek() went
         self.streaming = bool(spec.get("stream"))
         self.done: dict[str, int] = {}
@@ -199,7 +200,8 @@ class _Capture:
         self.stats["rows"] += ntok
         self.stats["steps"] += 1
         done = runner.input_batch.num_computed_tokens_cpu[:n] + counts
-        self.stats["partial_prefills"] += int((done < self.tab[:, 3]).sum())
+        partial = int((done < self.tab[:, 3]).sum())  # requests whose prompt is not all computed yet
+        self.stats["partial_prefills"] += partial
         if self.streaming:  # (a loop over the batch's requests: only when a stream will peek)
             self.done.update(zip(ids, done.tolist()))
         pos = runner.positions[:ntok]
@@ -220,7 +222,8 @@ class _Capture:
             # A decode step (one token per request) of a batch in one arena: its destinations are
             # the batch's columns plus the positions, from columns kept on the device while the batch
             # stays; no host-to-device copy in the step.
-            self._decode_step(runner, n, pos, source)
+            self.stats["prompt_token_steps"] += partial > 0  # (a decode-shaped step carrying a prompt token)
+            self._decode_step(runner, n, pos, source, prompts_done=partial == 0)
             return
         tok_req = np.repeat(np.arange(n), counts)  # each token's request
         for k in arenas_here:
@@ -261,15 +264,25 @@ class _Capture:
             rows = lg[:n] if len(arenas_here) == 1 else lg[_to(torch.from_numpy(req_sel), dev)]
             arena["_logits"].index_copy_(0, ldst, rows.to(arena["_logits"].dtype))
 
-    def _decode_step(self, runner, n, pos, source) -> None:
+    def _decode_step(self, runner, n, pos, source, prompts_done: bool) -> None:
+        """Place a decode step of a batch in one arena. ``prompts_done``: every request's prompt is
+        computed (the host knows it), so each request's one token is its last and its logits row is
+        the token's own, with no choice to make on the device."""
         dev = self.taps.device
         if self.on_device is None:
             tab = self.tab
-            cols = np.stack([tab[:, 1], tab[:, 2] - (tab[:, 3] - 1), tab[:, 3] - 1])
-            self.on_device = _to(torch.from_numpy(cols), dev)
-        off, lbase, last_prompt = self.on_device
+            cols = _to(torch.from_numpy(np.stack([tab[:, 1], tab[:, 2] - (tab[:, 3] - 1), tab[:, 3] - 1])), dev)
+            # (row offsets and logits-row offsets together, then each, then the last prompt positions)
+            self.on_device = (cols[:2], cols[0], cols[1], cols[2])
+        bases, off, lbase, last_prompt = self.on_device
         arena = self.arenas[int(self.arenas_here[0])]
-        dst = off + pos
+        lg = runner.execute_model_state.logits if runner.execute_model_state is not None else None
+        keep_logits = lg is not None and arena["_logits"].shape[1] != 1
+        ldst = None
+        if keep_logits and prompts_done:
+            dst, ldst = bases + pos  # both destinations in one operation: a kernel launch fewer a step
+        else:
+            dst = off + pos
         if self.features:
             h0 = time.perf_counter()
             self.features.stage(source, dst, int(self.arenas_here[0]), self.arenas, None)
@@ -279,12 +292,12 @@ class _Capture:
             if self.layer_idx is not None:
                 src = src.index_select(0, self.layer_idx)
             arena[s].index_copy_(1, dst, src)
-        lg = runner.execute_model_state.logits if runner.execute_model_state is not None else None
-        if lg is None or arena["_logits"].shape[1] == 1:
+        if not keep_logits:
             return
-        # Each request's one token is its last: its logits row, or the spare last row while a
-        # prompt is still being prefilled a token at a time.
-        ldst = torch.where(pos >= last_prompt, lbase + pos, arena["_logits"].shape[0] - 1)
+        if ldst is None:
+            # A request's token is its logits row's, or goes to the spare last row while its prompt
+            # is still being computed a token at a time.
+            ldst = torch.where(pos >= last_prompt, lbase + pos, arena["_logits"].shape[0] - 1)
         arena["_logits"].index_copy_(0, ldst, lg[:n].to(arena["_logits"].dtype))
 
     def _flush(self) -> None:
