@@ -80,7 +80,9 @@ batch, then the median of ``--repeats``):
   ``bare_nocompile_kernels``: bare vLLM with nnvllm's engine settings (no torch.compile, full graphs
   for decode only) the same way. ``bare_profile`` and ``bare_nocompile_profile``: one call of each
   under cProfile, as ``nv_split_profile``. Each cProfile record also lists the 30 costliest
-  functions of nnsight and nnvllm by cumulative time (``ours``).
+  functions of nnsight and nnvllm by cumulative time (``ours``), and every call that can make the
+  host wait for the device (``synchronize``, ``item``, ``tolist``, ``cpu``, ``numpy``,
+  ``pin_memory``) with its callers and their counts (``syncs``).
 - ``paired``: nnvllm's defaults against vLLM's own, with a shared host's drift cancelled: in one process, bare
   vLLM's default engine (``vllm.LLM``, torch.compile + CUDA graphs), ``nv.load(path)`` (its default:
   isolated on a GPU) and ``nv.load(path, isolate=False)``, each with 0.28 of the GPU, called in turns
@@ -198,7 +200,8 @@ def _timed(fn, repeats: int, snap=None) -> dict:
 def _profiled(fn) -> dict:
     """A warm-up call, then one call under cProfile: its seconds (with the profiler on) and the 30
     costliest functions by own time, by cumulative time, and of nnsight and nnvllm by cumulative time
-    (``ours``), one line each."""
+    (``ours``), one line each; and the calls that can wait for the device, with their callers
+    (``syncs``)."""
     import cProfile
     import io
     import pstats
@@ -214,6 +217,10 @@ def _profiled(fn) -> dict:
         buf = io.StringIO()
         pstats.Stats(pr, stream=buf).sort_stats("cumulative" if key == "ours" else key).print_stats(*only, 30)
         out[key] = [ln.rstrip() for ln in buf.getvalue().splitlines() if ln.strip()][-31:]
+    # The calls that can make the host wait for the device, each with its callers and their counts.
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).print_callers(r"synchronize|'item'|'tolist'|'cpu'|'numpy'|pin_memory")
+    out["syncs"] = [ln.rstrip() for ln in buf.getvalue().splitlines() if ln.strip()][2:]
     return out
 
 
@@ -677,7 +684,7 @@ def main() -> None:
                         if "per_call" in v:
                             out.setdefault("per_call", {})[k] = v["per_call"]
                     if isinstance(v, dict) and "tottime" in v:  # a profiled call (the *_profile cases)
-                        out.setdefault("profiles", {})[k] = {key: v[key] for key in ("tottime", "cumulative", "ours") if key in v}
+                        out.setdefault("profiles", {})[k] = {key: v[key] for key in ("tottime", "cumulative", "ours", "syncs") if key in v}
             else:
                 out["errors"][c] = (p.stderr or p.stdout)[-3000:]
         except subprocess.TimeoutExpired as e:
