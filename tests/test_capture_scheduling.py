@@ -91,6 +91,39 @@ def test_preempted_requests_are_recomputed_and_placed_by_position(toy_path, monk
     _check(run, toy_path, "preempted")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU engine's arenas are host memory; a GPU's come from torch's caching allocator")
+def test_a_cpu_engines_next_call_reuses_the_host_memory_of_a_dropped_run_and_never_of_a_held_one(toy_path):
+    """On the CPU a capture's arena is host memory, and in one process the Run views it. A call while
+    an earlier Run is held writes elsewhere (the held Run's values stay as they were); once the Runs
+    are dropped, the next call writes into the last capture's memory, and its values are right. The
+    engine lets that memory go when it closes."""
+    import weakref
+
+    from nnvllm.engine.worker import arena
+
+    def ptr(t):
+        return t.untyped_storage().data_ptr()
+
+    model = nv.load(toy_path, isolate=False, **engine_kwargs(1))
+    try:
+        first = nv.generate(model, FACTS, max_tokens=4)
+        kept = first.resid[0].clone()
+        second = nv.generate(model, FACTS, max_tokens=4)
+        assert torch.equal(first.resid[0], kept)
+        assert ptr(second.resid[0]) != ptr(first.resid[0])
+        blocks = [weakref.ref(b) for b, _ in arena._HOST.free]  # the second call's
+        assert any(ptr(b()) == ptr(second.resid[0]) for b in blocks)
+        del first, second
+        third = nv.generate(model, FACTS, max_tokens=4)
+        assert all(b() is not None for b in blocks)
+        assert any(ptr(b()) == ptr(third.resid[0]) for b in blocks)
+        _check(third, toy_path, "reused")
+        model.close()  # the engine lets its kept memory go; a Run still views what it holds
+        assert all(b() is None for b in blocks) and third.resid[0].abs().sum() > 0
+    finally:
+        model.close()
+
+
 def test_a_failed_recording_fails_alone_and_the_engine_keeps_answering(toy):
     first = nv.generate(toy, "The capital of France is", max_tokens=3)
     # Arm the worker with a site it has no tap for: the recording fails at the first step.

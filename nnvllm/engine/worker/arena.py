@@ -27,10 +27,65 @@ from .features import _Features
 from .handoff import _SPARES, _handover, _ShmFiles, made_since_last_call
 from .taps import _HEAD_SITES, _Taps, _prompt_len
 
+class _HostBlocks:
+    """Host memory for the arenas of a CPU engine, reused from one capture to the next.
+
+    A CPU arena is host memory the size of the capture, and in one process the hand-off gives the
+    ``Run`` views of it. Allocated anew in every call, each block of it over glibc's mapping threshold
+    (at most 32 MiB) is a fresh mapping whose pages the capture's first writes fault in, and goes
+    back to the system when the ``Run`` is dropped. So a series of calls paid that again each time,
+    and more on some calls than others. Here the blocks of the last capture are kept, and the next
+    capture takes one once nothing views it any more (its storage's use count is back to what it
+    was when only this list held it); a block that a ``Run`` still views is left to it. At most the
+    last capture's blocks are kept. A GPU engine's arenas come from torch's caching allocator.
+    """
+
+    def __init__(self) -> None:
+        self.free: list[tuple[torch.Tensor, int]] = []  # (flat block, its use count when only this list held it)
+        self.used: list[tuple[torch.Tensor, int]] = []  # the blocks the current capture took
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+              zero: bool = False) -> torch.Tensor:
+        if device.type != "cpu":
+            return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
+        n = int(np.prod(shape))
+        fits = [i for i, (b, base) in enumerate(self.free)
+                if b.dtype == dtype and b.numel() >= n and _use_count(b) <= base]
+        if fits:
+            entry = self.free.pop(min(fits, key=lambda i: self.free[i][0].numel()))
+        else:
+            block = torch.empty(n, dtype=dtype)
+            entry = (block, _use_count(block))
+        self.used.append(entry)
+        out = entry[0][:n].view(shape)
+        return out.zero_() if zero else out
+
+    def end(self) -> None:
+        """The current capture is over (collected, dropped or failed): its blocks become the ones the
+        next capture may take; older ones not taken are let go. Once per capture: a second call, and
+        a capture that took no block, change nothing."""
+        if self.used:
+            self.free, self.used = self.used, []
+
+
+    def drop(self) -> None:
+        """Let every kept block go (the engine closes)."""
+        self.free, self.used = [], []
+
+
+def _use_count(t: torch.Tensor) -> int:
+    """How many tensors (and views of them, numpy arrays...) hold ``t``'s storage."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+_HOST = _HostBlocks()  # (one model per worker process)
+
+
 class _Capture:
     """One armed capture: its arena (request-major rows) and the per-step placement."""
 
     def __init__(self, taps: _Taps, spec: dict) -> None:
+        _HOST.end()  # (a capture before this one that was never collected)
         self.taps = taps
         self.layers = list(spec["layers"])
         self.sites = [s for s in spec["sites"]]
@@ -110,8 +165,8 @@ class _Capture:
             a: dict[str, torch.Tensor] = {}
             for s in self.sites:
                 w = t.full_width(s)
-                a[s] = torch.empty(len(self.layers), rows_n + 1, w, dtype=t.dtype, device=t.device)
-            a["_logits"] = torch.zeros(steps_n + 1, self._vocab(), dtype=self.logits_dtype, device=t.device)
+                a[s] = _HOST.empty((len(self.layers), rows_n + 1, w), t.dtype, t.device)
+            a["_logits"] = _HOST.empty((steps_n + 1, self._vocab()), self.logits_dtype, t.device, zero=True)
             a.update(self.features.allocate(rows_n, t.device))
             if self.shm is not None:  # the files the hand-off will fill (logits only when asked for)
                 for name, x in a.items():
@@ -415,7 +470,9 @@ class _Capture:
         temp, top_p, kk = self.sample["temperature"], self.sample["top_p"], self.sample["k"]
         kk = min(kk, logits.shape[-1])
         probs_c, top_i, top_p_, logp = [], [], [], []
-        step = max(1, (256 << 20) // (logits.shape[-1] * 4))  # rows per chunk: ~256 MB of fp32 probs
+        # Rows per chunk: ~256 MB of fp32 probabilities on a GPU. On the CPU ~8 MB, so that each chunk's
+        # temporaries come from the heap glibc reuses, not from mappings faulted in anew each call.
+        step = max(1, ((256 if dev.type == "cuda" else 8) << 20) // (logits.shape[-1] * 4))
         for a in range(0, logits.shape[0], step):
             p = sampling_probs(logits[a: a + step], temp, top_p)
             top = p.topk(kk, dim=-1)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 
-from .arena import _Capture
+from .arena import _HOST, _Capture
 from .handoff import _SPARES, sweep_stale, watch_server
 from .pieces import EAGER, StepPlan
 from .taps import _site_widths, _Taps, head_layout
@@ -202,6 +202,10 @@ class CaptureWorker:
         bind_stores_to_loopback()
         super().init_device()
 
+    def shutdown(self) -> None:
+        _HOST.drop()  # an in-process CPU engine's worker lives in the notebook: its kept memory goes now
+        super().shutdown()
+
     def nnvllm_arm(self, spec: dict) -> None:
         runner = self.model_runner
         runner.nnvllm_install()
@@ -220,6 +224,7 @@ class CaptureWorker:
             taps.disarm_edits()
         cap = getattr(runner, "_nnvllm_capture", None)
         runner._nnvllm_capture = None
+        _HOST.end()
         if cap is not None and cap.shm is not None:
             cap.shm.discard()
 
@@ -287,6 +292,7 @@ class CaptureWorker:
         try:
             return cap.collect(tokens, same_process=client_pid == os.getpid())
         finally:
+            _HOST.end()
             if cap.shm is not None:
                 cap.shm.discard()
 
