@@ -83,10 +83,10 @@ def main() -> None:
 
     from vllm import LLM
 
-    from nnvllm.engine.models import cpu_defaults
+    from nnvllm.engine.models import cpu_defaults, fit_gpu_memory
 
     mc = model.llm.llm_engine.vllm_config.model_config
-    kw = {} if torch.cuda.is_available() else cpu_defaults()
+    kw = fit_gpu_memory({}) if torch.cuda.is_available() else cpu_defaults()  # beside nnvllm's engine
     kw.update(dtype=mc.dtype, max_model_len=mc.max_model_len, enforce_eager=mc.enforce_eager)
     plain_llm = LLM(str(path), **kw)
 

@@ -27,17 +27,18 @@ from .features import _Features
 from .handoff import _SPARES, _handover, _ShmFiles, made_since_last_call
 from .taps import _HEAD_SITES, _Taps, _prompt_len
 
+
 class _HostBlocks:
     """Host memory for the arenas of a CPU engine, reused from one capture to the next.
 
     A CPU arena is host memory the size of the capture, and in one process the hand-off gives the
-    ``Run`` views of it. Allocated anew in every call, each block of it over glibc's mapping threshold
-    (at most 32 MiB) is a fresh mapping whose pages the capture's first writes fault in, and goes
-    back to the system when the ``Run`` is dropped. So a series of calls paid that again each time,
-    and more on some calls than others. Here the blocks of the last capture are kept, and the next
-    capture takes one once nothing views it any more (its storage's use count is back to what it
-    was when only this list held it); a block that a ``Run`` still views is left to it. At most the
-    last capture's blocks are kept. A GPU engine's arenas come from torch's caching allocator.
+    ``Run`` views of it. A block over glibc's mapping threshold (at most 32 MiB) allocated anew in
+    every call is a fresh mapping whose pages the capture's first writes fault in, and it goes back
+    to the system when the ``Run`` is dropped: every call would pay for that again, some calls much
+    more than others. Here the blocks of the last capture are kept, and the next capture takes one
+    once nothing views it any more (its storage's use count is back to what it was when only this
+    list held it); a block that a ``Run`` still views is left to it. At most the last capture's
+    blocks are kept. A GPU engine's arenas come from torch's caching allocator.
     """
 
     def __init__(self) -> None:
@@ -67,7 +68,6 @@ class _HostBlocks:
         if self.used:
             self.free, self.used = self.used, []
 
-
     def drop(self) -> None:
         """Let every kept block go (the engine closes)."""
         self.free, self.used = [], []
@@ -78,7 +78,9 @@ def _use_count(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-_HOST = _HostBlocks()  # (one model per worker process)
+# One per process: in-process CPU engines of one notebook share it, and the use counts keep a block
+# to one capture at a time.
+_HOST = _HostBlocks()
 
 
 class _Capture:
