@@ -482,6 +482,8 @@ PRIVATE_SURFACE: tuple[Touch, ...] = (
           "a compiled engine's custom ops call their native forward directly (_plain_native_ops)",
           set_in_init=("_forward_method",)),
     Touch("torch.fx.node", "has_side_effect", "worker/taps.py", "the q/k/v tap op is kept in the compiled graph"),
+    Touch("torch._C", "_storage_Use_Count", "worker/arena.py", "whether a CPU arena block a Run viewed is free again"),
+    Touch("torch", "UntypedStorage._cdata", "worker/arena.py", "the storage whose use count is read"),
     Touch("vllm.v1.worker.cpu_model_runner", "CPUModelRunner", "worker/cpu.py", "the CPU backend's runner"),
     Touch("vllm.v1.worker.cpu_worker", "CPUWorker", "worker/cpu.py", "the CPU backend's worker"),
     Touch("vllm.model_executor.model_loader.base_loader", "process_weights_after_loading", "compat.py",
