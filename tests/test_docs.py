@@ -158,6 +158,25 @@ def test_the_cpu_engine_cost_in_docs_capture_is_its_recorded_run():
     assert f"`{run['command']}`" in flat, run["command"]
 
 
+def test_the_paired_split_sentence_in_docs_capture_is_its_recorded_run():
+    """docs/capture.md's H100 figures of run ``llama1b_paired_split``: the per-turn ratios, bare
+    vLLM's median and spread, and no hand-off file made after each engine's first call."""
+    import json
+
+    root = README.parent
+    flat = " ".join((root / "docs" / "capture.md").read_text().split())
+    run = json.loads((root / "benchmarks" / "results" / "capture_gpu_h100_80gb_hbm3.json").read_text())["runs"]
+    s = run["llama1b_paired_split"]["seconds"]
+    summary = s["paired_split_summary"]
+    assert (f"`nv.load(path)` at {summary['x bare default']:.2f}x and `nv.load(path, isolate=False)` at "
+            f"{summary['x bare in_process']:.2f}x bare vLLM's default, per turn, with bare vLLM at "
+            f"{s['paired_split_bare']:.3f} s ±{100 * summary['spread bare']:.0f}%") in flat
+    for calls in run["llama1b_paired_split"]["per_call"].values():
+        assert [c["files_made"] for c in calls[1:]] == [0] * (len(calls) - 1)
+    assert "gpu/model_states" in " ".join(run["llama1b_host"]["profiles"]["bare_profile"]["syncs"])  # V2
+    assert "gpu_model_runner.py" in " ".join(run["llama1b_host"]["profiles"]["nv_split_profile_all"]["syncs"])
+
+
 def test_the_trace_cost_tables_in_docs_engines_are_their_recorded_runs():
     """docs/engines.md's tables of what a trace sends and sends back state the seconds of the CPU runs
     in ``benchmarks/results/trace_payload_cpu.json`` and ``trace_saves_cpu.json``, and the text the
