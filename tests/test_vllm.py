@@ -141,7 +141,7 @@ def test_an_edit_installed_on_the_engine_runs_for_every_request(toy, toy_path, f
     assert (after.cpu()[0] - clean.logits[0][0]).abs().max() < 1e-4
 
 
-def test_nnsight_tracks_a_steps_requests_only_where_a_trace_or_an_installed_edit_needs_it(toy_path, fidelity):
+def test_nnsight_tracks_a_steps_requests_only_where_a_trace_or_an_installed_edit_needs_it(toy, toy_path, fidelity):
     """nnsight's runner tracks every request of a step (a record per request, its span in the batch,
     the logits and samples served to its workers) only where it has work there. The steps of
     ``nv.generate`` and of the engine's own generate run vLLM's bookkeeping alone (counted as
@@ -152,11 +152,14 @@ def test_nnsight_tracks_a_steps_requests_only_where_a_trace_or_an_installed_edit
 
     from conftest import engine_kwargs
 
-    toy = nv.load(toy_path, isolate=False, **engine_kwargs(1))  # in this process: its vllm.LLM is reachable
-    try:
+    if not getattr(toy, "_nnvllm_isolated", False):  # the shared engine is in this process (the CPU's)
         _untraced_steps(toy, toy_path, fidelity, SamplingParams)
+        return
+    own = nv.load(toy_path, isolate=False, **engine_kwargs(1))  # in this process: its vllm.LLM is reachable
+    try:
+        _untraced_steps(own, toy_path, fidelity, SamplingParams)
     finally:
-        toy.close()
+        own.close()
 
 
 def _untraced_steps(toy, toy_path, fidelity, SamplingParams) -> None:
