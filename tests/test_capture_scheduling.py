@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import nnvllm as nv
+from nnvllm.engine.worker import spares
 from nnvllm.engine.worker.handoff import SHM_PREFIX, shm_dir
 
 from conftest import engine_kwargs
@@ -162,11 +163,10 @@ def test_handoff_files_not_handed_over_are_removed(monkeypatch):
     """The GPU hand-off's prepared files (driven here without a GPU): a tensor takes the smallest
     prepared file that fits; at the end every file the client will not map is removed, including
     one a failed hand-off made and never handed."""
-    from nnvllm.engine.worker import handoff as _worker
     from nnvllm.engine.worker.handoff import _ShmFiles
 
     monkeypatch.setenv("NNVLLM_HANDOVER", "plain")  # no page-locking without CUDA
-    monkeypatch.setattr(_worker, "SPARE_BYTES", 0)  # no files kept for a next capture (tested below)
+    monkeypatch.setattr(spares, "SPARE_BYTES", 0)  # no files kept for a next capture (tested below)
     mine = lambda: {f for f in os.listdir(shm_dir()) if f.startswith(f"{SHM_PREFIX}{os.getpid()}-")}  # noqa: E731
     before = mine()
     files = _ShmFiles()
@@ -192,11 +192,10 @@ def test_a_file_prepared_for_one_tensor_is_not_taken_by_another(monkeypatch):
     """The hand-off's order (the residual stream, the sampling statistics, then the logits): the
     statistics are never prepared, and the smallest prepared file that fits them is the logits';
     each tensor gets the file made ready for it, and the statistics a file of their own size."""
-    from nnvllm.engine.worker import handoff as _worker
     from nnvllm.engine.worker.handoff import _SPARES, _ShmFiles
 
     monkeypatch.setenv("NNVLLM_HANDOVER", "plain")
-    monkeypatch.setattr(_worker, "SPARE_BYTES", 0)
+    monkeypatch.setattr(spares, "SPARE_BYTES", 0)
     _SPARES.drop()
     files = _ShmFiles()
     files.prepare(4 << 20, "resid")
@@ -220,11 +219,10 @@ def test_handoff_files_are_kept_ready_for_the_next_capture(monkeypatch):
     """After a hand-off the worker prepares files of the sizes it handed over (within
     NNVLLM_SPARE_BYTES), reusing prepared files never handed over; the next capture of that shape
     takes them instead of making new ones; dropping the spares removes their files."""
-    from nnvllm.engine.worker import handoff as _worker
     from nnvllm.engine.worker.handoff import _SPARES, _ShmFiles
 
     monkeypatch.setenv("NNVLLM_HANDOVER", "plain")
-    monkeypatch.setattr(_worker, "SPARE_BYTES", 5 << 20)
+    monkeypatch.setattr(spares, "SPARE_BYTES", 5 << 20)
     mine = lambda: {f for f in os.listdir(shm_dir()) if f.startswith(f"{SHM_PREFIX}{os.getpid()}-")}  # noqa: E731
     _SPARES.drop()
     before = mine()
@@ -271,7 +269,7 @@ def test_calls_of_two_shapes_in_turn_make_no_new_files_after_the_first_of_each(m
     from nnvllm.engine.worker.handoff import _SPARES, _ShmFiles
 
     monkeypatch.setenv("NNVLLM_HANDOVER", "plain")
-    monkeypatch.setattr(_worker, "SPARE_BYTES", 256 << 20)
+    monkeypatch.setattr(spares, "SPARE_BYTES", 256 << 20)
     mine = lambda: {f for f in os.listdir(shm_dir()) if f.startswith(f"{SHM_PREFIX}{os.getpid()}-")}  # noqa: E731
     _SPARES.drop()
     before = mine()
@@ -303,15 +301,60 @@ def test_calls_of_two_shapes_in_turn_make_no_new_files_after_the_first_of_each(m
             os.unlink(p)
     assert mine() == before
 
+def test_spares_are_made_once_the_engine_is_idle_and_not_while_the_next_capture_runs(monkeypatch):
+    """Making a spare page-locks it in the engine's own process, which holds up the step loop's CUDA
+    calls: the worker makes new spares only once no capture has been armed for SPARE_IDLE_S after a
+    hand-off. A capture armed sooner (calls back to back) cancels the making and takes the files its
+    client returned; after an idle time the spares are there for the next capture."""
+    import time
+
+    from nnvllm.engine.worker import handoff as _worker
+    from nnvllm.engine.worker.handoff import _SPARES, _ShmFiles
+
+    monkeypatch.setenv("NNVLLM_HANDOVER", "plain")
+    monkeypatch.setattr(spares, "SPARE_BYTES", 64 << 20)
+    monkeypatch.setattr(spares, "SPARE_IDLE_S", 0.3)
+    mine = lambda: {f for f in os.listdir(shm_dir()) if f.startswith(f"{SHM_PREFIX}{os.getpid()}-")}  # noqa: E731
+    _SPARES.drop()
+    before = mine()
+
+    def hand_off() -> str:  # a capture armed already: its hand-off
+        files = _ShmFiles()
+        files.prepare(8 << 20, "resid")
+        f = files.take(8 << 20, None, "resid")
+        assert files.release(f, 8 << 20)  # kept mapped for recycling
+        files.discard()  # spares of its size: once the engine is idle
+        return f.path
+
+    _worker.made_since_last_call()
+    _SPARES.take_back([])  # (what the worker does as a capture is armed)
+    first = hand_off()
+    assert _worker.made_since_last_call()["files_made"] == 1  # its own file
+    _SPARES.take_back([first])  # the next call, back to back; its client returned the first's file
+    time.sleep(0.6)  # it generates for twice SPARE_IDLE_S
+    _SPARES.wait()
+    assert _worker.made_since_last_call()["files_made"] == 0  # no file made while it ran
+    second = hand_off()
+    assert second == first  # the returned file went round
+    time.sleep(0.6)  # idle since: a spare of its size is made
+    _SPARES.wait()
+    assert _worker.made_since_last_call()["files_made"] == 1
+    assert [size for size, _ in _SPARES.files] == [8 << 20] and _SPARES.files[0][1].result().spare
+    assert list(_SPARES.kept) == [first]
+    _SPARES.drop()
+    if os.path.exists(first):
+        os.unlink(first)
+    assert mine() == before
+
+
 def test_handed_over_files_are_kept_for_recycling_within_the_budget(monkeypatch):
     """Handed-over files stay mapped in the worker for reuse (_Spares.kept), newest kept within
     NNVLLM_SPARE_BYTES (the oldest are let go: unmapped and unlinked); the ones the client returns
     become spares again, taken before other spares of their size; unknown paths are ignored."""
-    from nnvllm.engine.worker import handoff as _worker
     from nnvllm.engine.worker.handoff import _SPARES, _ShmFile
 
     monkeypatch.setenv("NNVLLM_HANDOVER", "plain")
-    monkeypatch.setattr(_worker, "SPARE_BYTES", 5 << 20)
+    monkeypatch.setattr(spares, "SPARE_BYTES", 5 << 20)
     _SPARES.drop()
     f1, f2, f3 = (_ShmFile(2 << 20) for _ in range(3))
     assert _SPARES.keep(f1) and _SPARES.keep(f2)

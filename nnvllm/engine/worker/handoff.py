@@ -3,7 +3,7 @@
 Both halves live here. The worker copies the arena once into files in ``/dev/shm`` (page-locked and
 registered with CUDA where there is a GPU, so the device copy lands by DMA); the RPC result is only
 their names and the layout. The client maps the files (:func:`open_handover`): nothing is pickled and
-no RPC size limit applies. Files the client is done with come back as spares (:class:`_Spares`), so
+no RPC size limit applies. Files the client is done with come back as spares (:class:`.spares._Spares`), so
 the next call of the same size does not allocate and page-lock again. In a single-process engine the
 tensors are handed over directly.
 """
@@ -21,6 +21,8 @@ import torch
 
 # Where the files live, and what removes them when an engine's processes end (leftovers).
 from .leftovers import SHM_PREFIX, shm_dir, sweep_group, sweep_stale, watch_server  # noqa: F401
+from . import spares
+from .spares import _SPARES, _discard_when_ready
 
 
 _MADE = [0, 0]  # files made in this process, and their bytes
@@ -131,137 +133,12 @@ def _populate(mm, nbytes: int) -> None:
         del view  # the export would keep mm from closing
 
 
-# Hand-off files kept ready between captures (bytes; 0 turns it off), see _Spares.
-SPARE_BYTES = int(os.environ.get("NNVLLM_SPARE_BYTES", 4 << 30))
-
-
-class _Spares:
-    """Hand-off files made ready between captures, one per file the last capture handed over.
-
-    Preparing a file (allocating its pages, mapping them, page-locking them for DMA) costs about as
-    much as a short generation: measured on an H200, a 64 x 128 capture of the Llama-1B shape waited
-    0.12 s at hand-off for its 0.74 GB of files prepared while it generated. Calls in a row usually
-    have the same shape (``nv.collect``'s chunks always do), so after each hand-off the worker makes
-    files of the same sizes in the background, while the engine is idle, up to
-    ``NNVLLM_SPARE_BYTES`` (default 4 GiB of shared memory held between calls; 0: none). A later
-    capture takes the smallest that fits (cut to its size when handed over); spares of other shapes
-    stay ready too while the budget allows (:meth:`refill`).
-    They go with the engine: unlinked at exit, swept by the next engine if its process was killed.
-
-    Handed-over files are recycled too: the worker keeps the newest of them mapped (and page-locked)
-    in ``kept``, within the same budget, and does not let the client unlink them. When every tensor
-    of a Run that views such a file is gone, the client names the file in its next call
-    (``spec["returned"]``, see :func:`open_handover`) and the worker takes it back as a spare, ready
-    at no cost: calls in a row that drop their Runs (a benchmark, ``nv.collect``'s chunks) prepare
-    no file at all. A kept file the client still holds is never reused; the oldest are let go
-    (unmapped and unlinked here; the client's mapping stays valid) when newer ones need the room.
-    """
-
-    def __init__(self) -> None:
-        self.files: list[tuple[int, Any]] = []  # (size, future of _ShmFile)
-        self.kept: dict[str, _ShmFile] = {}  # handed over, still mapped here, oldest first
-        self.pool = None
-        self.pending: list = []  # futures of background work (see wait)
-
-    def kept_bytes(self) -> int:
-        return sum(f.size for f in self.kept.values())
-
-    def keep(self, f: "_ShmFile") -> bool:
-        """Keep handed-over ``f`` mapped for recycling, letting the oldest kept files go if the budget
-        needs it; False (and nothing kept) when ``f`` alone is over it."""
-        if SPARE_BYTES <= 0 or f.size > SPARE_BYTES:
-            return False
-        while self.kept and self.kept_bytes() + f.size > SPARE_BYTES:
-            old = self.kept.pop(next(iter(self.kept)))
-            self.submit(old.discard)
-        self.kept[f.path] = f
-        return True
-
-    def take_back(self, paths) -> list[str]:
-        """Kept files whose Runs the client has dropped become spares again (mapped, page-locked)."""
-        import concurrent.futures
-
-        taken = []
-        for p in paths or ():
-            f = self.kept.pop(p, None)
-            if f is None:  # not this worker's, or let go already
-                continue
-            fut = concurrent.futures.Future()
-            fut.set_result(f)
-            f.spare = True
-            self.files.insert(0, (f.size, fut))  # taken before a same-size spare that may still be in the making
-            taken.append(p)
-        return taken
-
-    def submit(self, fn, *args):
-        fut = self.executor().submit(fn, *args)
-        self.pending = [f for f in self.pending if not f.done()] + [fut]
-        return fut
-
-    def wait(self) -> None:
-        """Until the background work submitted so far is done (tests)."""
-        for f in list(self.pending):
-            f.exception()
-
-    def executor(self):
-        if self.pool is None:
-            import atexit
-            import concurrent.futures
-
-            self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="nnvllm-shm")
-            atexit.register(self.drop)
-        return self.pool
-
-    def take(self, nbytes: int) -> tuple[int, Any] | None:
-        fits = [(size, i) for i, (size, _) in enumerate(self.files) if nbytes <= size <= 2 * nbytes + (64 << 20)]
-        return self.files.pop(min(fits)[1]) if fits else None
-
-    def refill(self, sizes: list[int], leftovers: list[tuple[int, Any]], make) -> None:
-        """Make the spares files of ``sizes`` (largest first, within what SPARE_BYTES leaves beside the
-        kept files), reusing the spares and ``leftovers`` (prepared, never handed over) that fit; keep
-        the other spares too while the budget allows, and discard the rest.
-
-        The others are kept because calls of different shapes alternate (a notebook asks for every
-        layer, then for the logits alone): discarded after a small call, the big files would be made
-        again during the next big call's generation (on the CPU toy engine, calls keeping tokens only
-        and every layer in turn: 4 new files in each of the second kind)."""
-        old, self.files, total = self.files + leftovers, [], self.kept_bytes()
-        for size in sorted(sizes, reverse=True):
-            if total + size > SPARE_BYTES:
-                continue
-            fit = [(s, i) for i, (s, _) in enumerate(old) if size <= s <= 2 * size + (64 << 20)]
-            self.files.append(old.pop(min(fit)[1]) if fit else (size, self.submit(make, size)))
-            total += self.files[-1][0]
-        for size, fut in old:  # (taken-back files first: the newest shapes)
-            if total + size <= SPARE_BYTES:
-                self.files.append((size, fut))
-                total += size
-            else:
-                self.submit(_discard_when_ready, fut)
-
-    def drop(self) -> None:
-        files, self.files = self.files, []
-        for _, fut in files:
-            _discard_when_ready(fut)
-        kept, self.kept = self.kept, {}
-        for f in kept.values():
-            f.discard()
-
-
 def _spare(nbytes: int, pin: bool, device: Any) -> "_ShmFile":
     f = _ShmFile(nbytes, pin, device)
     f.spare = True
     return f
 
 
-def _discard_when_ready(fut) -> None:
-    try:
-        fut.result(timeout=30).discard()
-    except Exception:  # noqa: BLE001 (a file that failed to be made left nothing behind)
-        pass
-
-
-_SPARES = _Spares()
 
 
 class _ShmFiles:
@@ -332,11 +209,11 @@ class _ShmFiles:
         return False
 
     def discard(self) -> None:
-        """Keep files like the ones handed over ready for the next capture (:class:`_Spares`),
+        """Keep files like the ones handed over ready for the next capture (:class:`.spares._Spares`),
         release the rest, and remove every file of this capture the client will not unlink,
         whatever path led here (an error mid-hand-off included)."""
         ready, self.ready = [(size, fut) for size, fut, _ in self.ready], []
-        if SPARE_BYTES > 0 and self.sizes:
+        if spares.SPARE_BYTES > 0 and self.sizes:
             _SPARES.refill(self.sizes, ready, lambda n: _spare(n, self.pin, self.device))
         else:
             for _, fut in ready:
