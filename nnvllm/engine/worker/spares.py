@@ -26,10 +26,10 @@ class _Spares:
     They go with the engine: unlinked at exit, swept by the next engine if its process was killed.
 
     Why wait for idleness: the files are made in the engine's own process, and page-locking 0.74 GB
-    holds up the CUDA calls of the step loop. Made right after the hand-off, they were made during
-    the next call whenever calls came back to back, and that call took longer (on an H100, Llama-1B
-    shape 64 x 128: the first call after the warm-up, the one that made them, 0.79 s against 0.57
-    s for the calls after). A capture that starts before the engine has been idle that long
+    holds up the CUDA calls of the step loop. Made right after the hand-off, they would be made
+    during the next call whenever calls come back to back, and that call takes longer (on an H100,
+    Llama-1B shape 64 x 128, spares made at once: the call after the warm-up, which made them, took
+    0.79 s; the calls after it 0.57 s). A capture that starts before the engine has been idle that long
     (:meth:`take_back`, as it is armed) cancels the making; it takes the files its client returned,
     else prepares its own while it generates, as a first call does.
 
