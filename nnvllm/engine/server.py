@@ -27,6 +27,7 @@ Binds 127.0.0.1 unless ``--host`` says otherwise: the server runs code its clien
 """
 
 import argparse
+import gc
 import json
 import os
 import secrets
@@ -165,6 +166,12 @@ def main(argv: list[str] | None = None) -> None:
     from .trace_saves import saves_arrive_on_the_cpu
 
     saves_arrive_on_the_cpu()  # (its replies carry them on the CPU: no round trip through the GPU)
+    # What is alive now lasts as long as this server. One pass frees the start's garbage (automatic
+    # collection was off during the start: heap._start_collections) and the rest is frozen, so the
+    # full collections of later calls walk only what calls make. Otherwise the first call's full
+    # collection walks the whole heap of the imports and the engine.
+    gc.collect()
+    gc.freeze()
 
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
