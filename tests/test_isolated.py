@@ -16,6 +16,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -351,6 +352,17 @@ def test_a_calls_prompts_run_as_one_batch(iso, monkeypatch):
     assert all(p >= 0 for p in phases) and t["client_server_generate"] > 0, t
     assert sum(phases) <= t["client_server_total"] <= t["client_http"], t
 
+
+
+def test_the_engines_processes_import_the_clients_nnvllm(iso):
+    """The server starts with the folder that holds the client's nnvllm package first on its
+    PYTHONPATH, so the engine's processes run the client's code, from a checkout that is not
+    installed too; the package's own folder is not on it (its modules would be top-level names
+    there, ``sampling``, ``testing`` and ``engine`` shadowing any package of those names)."""
+    entries = psutil.Process(iso.pid).environ()["PYTHONPATH"].split(os.pathsep)
+    package = Path(nv.__file__).resolve().parent
+    assert Path(entries[0]).resolve() == package.parent, entries
+    assert package not in {Path(e).resolve() for e in entries if e}, entries
 
 
 def test_an_isolated_engines_first_call_walks_no_full_collection_of_its_servers_heap(toy_path):

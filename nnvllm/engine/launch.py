@@ -93,7 +93,10 @@ class _Server:
         self.log = self.dir / "engine.log"
         self.token = secrets.token_urlsafe(32)
         port_file = self.dir / "port"
-        pkg_root = str(Path(__file__).resolve().parents[1])  # importable even without an install
+        # The folder that holds this nnvllm package goes first: the engine runs the client's code, from a
+        # checkout that is not installed too (not the package's own folder, whose modules would then
+        # be top-level names there: `sampling`, `testing`, `engine`).
+        pkg_root = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, TOKEN_ENV: self.token,
                "PYTHONPATH": os.pathsep.join(filter(None, [pkg_root, os.environ.get("PYTHONPATH")]))}
         # An in-process engine of this process may have set these for itself (nnvllm.engine sets them
