@@ -175,6 +175,9 @@ def _untraced_steps(toy, toy_path, fidelity, SamplingParams) -> None:
         logits = list().save()
         for _ in tracer.iter[:3]:
             logits.append(toy.logits.clone())
+    # A step that schedules nothing (under async scheduling, the GPU default, one follows a request's
+    # last token) runs no forward and is no untraced step.
+    assert toy.llm.collective_rpc(_empty_step) == [True] * len(toy.llm.collective_rpc(_busy_loop_default))
     assert untraced() == 0
     for step in range(3):
         assert (logits[step].cpu()[0] - run.logits[0][step].float()).abs().max() < 1e-4
@@ -257,6 +260,14 @@ def test_tp_logit_lens_gathers_the_unembedding(toy, toy_path, tp, fidelity):
     seq = toy.tokenizer.encode(PROMPT) + lens.generated[:-1]
     hf = fidelity.calibrated(lambda device: _hf_lens_probs(toy_path, seq, device))
     hf.check(lens.top_probs, 1e-4, lambda ref: ref.topk(5, dim=-1).values, "top-5 lens probs")
+
+
+def _empty_step(worker) -> bool:
+    """Run one engine step that schedules no token on this worker's runner."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    worker.model_runner.execute_model(SchedulerOutput.make_empty())
+    return True
 
 
 def _busy_loop_default(_worker=None) -> float:

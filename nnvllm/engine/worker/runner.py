@@ -100,7 +100,9 @@ class RecordingRunner:
     def _update_states(self, scheduler_output) -> None:
         if _nnsight_idle(self, scheduler_output.scheduled_new_reqs):
             plan = getattr(self, "_nnvllm_plan", None)
-            if plan is not None:
+            # (A step that schedules no token runs no forward: under async scheduling one retires
+            # the requests that finished in the step before.)
+            if plan is not None and scheduler_output.total_num_scheduled_tokens:
                 plan.modes["untraced"] += 1
             return super(NNsightGPUModelRunner, self)._update_states(scheduler_output)
         return super()._update_states(scheduler_output)
