@@ -173,6 +173,12 @@ def test_the_paired_split_sentence_in_docs_capture_is_its_recorded_run():
             f"{s['paired_split_bare']:.3f} s ±{100 * summary['spread bare']:.0f}%") in flat
     for calls in run["llama1b_paired_split"]["per_call"].values():
         assert [c["files_made"] for c in calls[1:]] == [0] * (len(calls) - 1)
+    firsts = []
+    for form in ("default", "in_process"):
+        times = run["llama1b_paired_split"]["all"][f"paired_split_{form}"]
+        assert times[0] < max(times)
+        firsts.append(f"{times[0]:.3f} s")
+    assert f"each engine's first measured call ({firsts[0]} and {firsts[1]}) was not its slowest" in flat
     assert "gpu/model_states" in " ".join(run["llama1b_host"]["profiles"]["bare_profile"]["syncs"])  # V2
     assert "gpu_model_runner.py" in " ".join(run["llama1b_host"]["profiles"]["nv_split_profile_all"]["syncs"])
 
