@@ -88,8 +88,9 @@ batch, then the median of ``--repeats``):
   isolated on a GPU) and ``nv.load(path, isolate=False)``, each with 0.28 of the GPU, called in turns
   (the order rotating each turn), ``repeats`` turns: each engine's median and every call
   (``paired_<engine>``); in ``paired_summary``, the median of each turn's ratio to bare (``x bare
-  <engine>``) and each engine's largest distance of a call from its median (``spread <engine>``, a
-  fraction); nnvllm's timings of each call (``per_call``, with each process's collection pauses:
+  <engine>``), the interval that holds that median with at least 95% probability (``interval x bare
+  <engine>``: :func:`median_interval`) and each engine's largest distance of a call from its median
+  (``spread <engine>``, a fraction); nnvllm's timings of each call (``per_call``, with each process's collection pauses:
   ``gc*`` the worker's, ``client_server_gc*`` the isolated server's, ``client_gc*`` this process's),
   and this process's pauses in each bare call (``paired_bare_gc``).
   ``paired_split``: the same with two more forms, each engine with 0.2 of the GPU: vLLM with nnvllm's
@@ -132,6 +133,25 @@ ALL_CASES = {
                "hf_nnsight,nnsight_taps",
     "gpt2s": "bare_graphs,bare_eager,nv_graphs,nv_eager,nv_isolated,nv_isolated_eager,hf_nnsight,nnsight_taps",
 }
+
+
+def median_interval(xs: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of what ``xs`` samples: the order statistics
+    ``x(k)`` and ``x(n+1-k)`` with the largest ``k`` for which P(Binomial(n, 1/2) < k) <= (1 - level)/2,
+    so that it holds the median with probability at least ``level`` (12 values: the 3rd and the 10th,
+    96.1%); None where ``xs`` is too short for ``level`` (fewer than 6 values for 95%)."""
+    from math import comb
+
+    n, k, below = len(xs), 0, 0.0
+    while k < n:
+        below += comb(n, k) / 2 ** n  # P(Binomial(n, 1/2) <= k)
+        if below > (1 - level) / 2:
+            break
+        k += 1
+    if k == 0:
+        return None
+    s = sorted(xs)
+    return s[k - 1], s[n - k]
 
 
 def build(shape: str, root: Path) -> str:
@@ -419,7 +439,9 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                 res[f"{name}_{label}"]["per_call"] = per_call[label]
             summary[f"spread {label}"] = max(abs(x / med - 1) for x in ts)
             if label != "bare":
-                summary[f"x bare {label}"] = statistics.median(x / b for x, b in zip(ts, times["bare"]))
+                ratios = [x / b for x, b in zip(ts, times["bare"])]
+                summary[f"x bare {label}"] = statistics.median(ratios)
+                summary[f"interval x bare {label}"] = median_interval(ratios)
         if split:  # each step of the gap, per turn: settings, nnvllm's engine, the capture, the isolation
             for a, b in (("settings", "bare"), ("own", "settings"), ("in_process", "own"), ("default", "in_process")):
                 summary[f"x {b} {a}"] = statistics.median(x / y for x, y in zip(times[a], times[b]))
@@ -754,11 +776,16 @@ def table(run: dict) -> str:
         if not paired:
             continue
         # the paired cases: each engine's median, its turns' median ratio to bare, its spread
-        lines += ["| engine | seconds | x bare, per turn | spread |", "|---|---|---|---|"]
+        # and the 95% interval of that median ratio, from the turns' ratios (recorded runs keep every call)
+        calls = run.get("all", {})
+        lines += ["| engine | seconds | x bare, per turn | 95% interval | spread |", "|---|---|---|---|---|"]
         for label in ("bare", "settings", "own", "default", "in_process"):
             if f"spread {label}" in paired:
-                ratio = paired.get(f"x bare {label}", 1.0)
-                lines.append(f"| `{label}` | {s[f'{case}_{label}']:.3f} | {ratio:.2f} | "
+                ratio, span = paired.get(f"x bare {label}", 1.0), ""
+                if label != "bare" and f"{case}_{label}" in calls:
+                    got = median_interval([x / b for x, b in zip(calls[f"{case}_{label}"], calls[f"{case}_bare"])])
+                    span = f"{got[0]:.2f}–{got[1]:.2f}" if got else ""
+                lines.append(f"| `{label}` | {s[f'{case}_{label}']:.3f} | {ratio:.2f} | {span} | "
                              f"±{100 * paired[f'spread {label}']:.0f}% |")
         return "\n".join(lines)
     lines += ["| case | seconds | x bare_graphs |", "|---|---|---|"] if bare else ["| case | seconds |", "|---|---|"]

@@ -158,10 +158,39 @@ def test_the_cpu_engine_cost_in_docs_capture_is_its_recorded_run():
     assert f"`{run['command']}`" in flat, run["command"]
 
 
+def test_the_interval_of_a_median_ratio_holds_the_median_as_often_as_it_says():
+    """``median_interval`` (the tables' "95% interval"): of 12 values, the 3rd and the 10th; on draws
+    from a skewed distribution with a known median it holds the median in at least 95% of samples
+    (96.1% in theory), while the next narrower choice would not; too few values give no interval."""
+    import random
+    import sys
+
+    sys.path.insert(0, str(README.parent / "benchmarks"))
+    from capture_gpu import median_interval
+
+    assert median_interval([float(x) for x in (9, 1, 12, 4, 7, 2, 11, 3, 10, 5, 8, 6)]) == (3.0, 10.0)
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0, 6.0]) == (1.0, 6.0)
+    rng, trials = random.Random(0), 4000
+    median = 2 ** 0.5  # of 2 ** N(0.5, 1): log-normal, skewed
+    held = narrower = 0
+    for _ in range(trials):
+        xs = [2 ** rng.gauss(0.5, 1.0) for _ in range(12)]
+        lo, hi = median_interval(xs)
+        held += lo < median < hi
+        s = sorted(xs)
+        narrower += s[3] < median < s[8]
+    assert 0.95 <= held / trials <= 0.975, held / trials
+    assert narrower / trials < 0.9, narrower / trials
+
+
 def test_the_paired_split_sentence_in_docs_capture_is_its_recorded_run():
     """docs/capture.md's H100 figures of run ``llama1b_paired_split``: the per-turn ratios, bare
-    vLLM's median and spread, and no hand-off file made after each engine's first call."""
+    vLLM's median and spread, the intervals of the ratios, and no hand-off file made after each
+    engine's first call."""
     import json
+    import subprocess
+    import sys
 
     root = README.parent
     flat = " ".join((root / "docs" / "capture.md").read_text().split())
@@ -173,6 +202,11 @@ def test_the_paired_split_sentence_in_docs_capture_is_its_recorded_run():
             f"{s['paired_split_bare']:.3f} s ±{100 * summary['spread bare']:.0f}%") in flat
     for calls in run["llama1b_paired_split"]["per_call"].values():
         assert [c["files_made"] for c in calls[1:]] == [0] * (len(calls) - 1)
+    tool = subprocess.run([sys.executable, str(root / "benchmarks" / "capture_gpu.py"), "--table", "llama1b_paired_split",
+                           "--out", str(root / "benchmarks" / "results" / "capture_gpu_h100_80gb_hbm3.json")],
+                          capture_output=True, text=True, check=True).stdout
+    spans = {r[0]: r[3] for r in _md_rows(tool, "x bare, per turn")}
+    assert f"their 95% intervals, {spans['`default`']} and {spans['`in_process`']}, are wider than the gap" in flat
     firsts = []
     for form in ("default", "in_process"):
         times = run["llama1b_paired_split"]["all"][f"paired_split_{form}"]
