@@ -73,6 +73,8 @@
 #   NOTEBOOKS      what the notebooks stage runs (default notebooks/)
 #   STAGE_TIMEOUT  seconds per test stage (default: none); PYTEST_ARGS: more pytest arguments
 #   PYTHON         the interpreter (default python3)
+#   BENCH_TURNS    the turns of bench items paired and paired_split (default 12; 24 narrow the 95% interval of
+#                  each median ratio from the 3rd-10th of the ratios to the 7th-18th)
 #   BENCH_CASES    the cases of bench items llama1b, gpt2s, compiled and split (capture_gpu.py --cases), each
 #                  in its own process and recorded as it ends: the cases first listed come back first
 #                  from a command cut at its limit
@@ -251,10 +253,10 @@ bench() {
                     --timeout 140 --root $root --cases bare_nocompile,nv_graphs,nv_graphs_residgraphs ;;
       compiled) bench_item "$item" $c --name llama1b_compiled --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
                   --timeout 200 --root $root --cases ${BENCH_CASES:-bare_graphs,nv_graphs_compiled,nv_graphs_compiled_residgraphs,nv_graphs} ;;
-      paired) bench_item "$item" $c --name llama1b_paired --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
+      paired) bench_item "$item" $c --name llama1b_paired --shape llama1b --prompts 64 --tokens 128 --repeats ${BENCH_TURNS:-12} \
                 --timeout 400 --root $root --cases paired ;;
       paired_split) bench_item "$item" $c --name llama1b_paired_split --shape llama1b --prompts 64 --tokens 128 \
-                      --repeats 12 --timeout 500 --root $root --cases paired_split ;;
+                      --repeats ${BENCH_TURNS:-12} --timeout 500 --root $root --cases paired_split ;;
       kernels) bench_item "$item" $c --name llama1b_kernels --shape llama1b --prompts 64 --tokens 128 \
                  --timeout 300 --root $root --cases ${BENCH_CASES:-bare_kernels,bare_nocompile_kernels,nv_split_kernels} ;;
       host) bench_item "$item" $c --name llama1b_host --shape llama1b --prompts 64 --tokens 128 \
