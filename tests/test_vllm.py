@@ -177,7 +177,8 @@ def _untraced_steps(toy, toy_path, fidelity, SamplingParams) -> None:
             logits.append(toy.logits.clone())
     # A step that schedules nothing (under async scheduling, the GPU default, one follows a request's
     # last token) runs no forward and is no untraced step.
-    assert toy.llm.collective_rpc(_empty_step) == [True] * len(toy.llm.collective_rpc(_busy_loop_default))
+    ranks = toy.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
+    assert toy.llm.collective_rpc(_empty_step) == [True] * ranks
     assert untraced() == 0
     for step in range(3):
         assert (logits[step].cpu()[0] - run.logits[0][step].float()).abs().max() < 1e-4
