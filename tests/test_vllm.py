@@ -175,10 +175,14 @@ def _untraced_steps(toy, toy_path, fidelity, SamplingParams) -> None:
         logits = list().save()
         for _ in tracer.iter[:3]:
             logits.append(toy.logits.clone())
-    # A step that schedules nothing (under async scheduling, the GPU default, one follows a request's
-    # last token) runs no forward and is no untraced step.
-    ranks = toy.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
-    assert toy.llm.collective_rpc(_empty_step) == [True] * ranks
+    # A step that schedules nothing runs no forward and is no untraced step. Under async scheduling
+    # (the GPU default) one follows a request's last token. Elsewhere the test runs one in each
+    # worker: there the engine core is in this process, and its RPCs take a function.
+    config = toy.llm.llm_engine.vllm_config
+    if type(toy.llm.llm_engine.engine_core).__name__ == "InprocClient":
+        assert toy.llm.collective_rpc(_empty_step) == [True] * config.parallel_config.tensor_parallel_size
+    else:  # the engine core's own process: its RPCs take method names only
+        assert config.scheduler_config.async_scheduling
     assert untraced() == 0
     for step in range(3):
         assert (logits[step].cpu()[0] - run.logits[0][step].float()).abs().max() < 1e-4
