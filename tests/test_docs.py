@@ -112,10 +112,12 @@ def test_the_gpu_cost_tables_in_docs_capture_are_their_recorded_runs():
 
 
 def test_the_paired_cost_table_in_docs_capture_is_its_recorded_run():
-    """docs/capture.md's paired table (bare vLLM and nnvllm's defaults called in turns) states run
-    ``llama1b_paired``'s seconds, ratios and spreads as ``--table`` renders them, and the hand-off
-    times the text gives are those of its calls (H200) and of the H100 run it cites."""
+    """docs/capture.md's paired table (bare vLLM, vLLM under nnvllm's settings and nnvllm's engines
+    called in turns on the H200) states run ``llama1b_paired_split``'s seconds, ratios, intervals and
+    spreads as ``--table`` renders them; the text's steps of the gap, per-call medians and hand-off
+    times are those of its calls, and the intervals it says hold 1.0 do."""
     import json
+    import statistics
     import subprocess
     import sys
 
@@ -123,23 +125,32 @@ def test_the_paired_cost_table_in_docs_capture_is_its_recorded_run():
     doc = (root / "docs" / "capture.md").read_text()
     flat = " ".join(doc.split())
     results = root / "benchmarks" / "results" / "capture_gpu_h200.json"
-    tool = subprocess.run([sys.executable, str(root / "benchmarks" / "capture_gpu.py"), "--table", "llama1b_paired",
+    tool = subprocess.run([sys.executable, str(root / "benchmarks" / "capture_gpu.py"), "--table", "llama1b_paired_split",
                            "--out", str(results)], capture_output=True, text=True, check=True).stdout
     rendered = [r[1:] for r in _md_rows(tool, "x bare, per turn")]
-    assert [r[1:] for r in _md_rows(doc, "run `llama1b_paired` in\n`benchmarks/results/capture_gpu_h200.json`")] == rendered
-    for machine, stated in (("h200", "took 0.014 to 0.029 s"), ("h100_80gb_hbm3", "took 0.015 to 0.032 s")):
-        run = json.loads((root / "benchmarks" / "results" / f"capture_gpu_{machine}.json").read_text())["runs"]
-        calls = [c for cs in run["llama1b_paired"]["per_call"].values() for c in cs]
-        hs = [c["handover"] for c in calls]
-        assert len(calls) == 24 and f"over its {len(calls)} capturing calls" in flat.lower()
-        if machine == "h200":
-            assert {c["files_ready"] for c in calls} == {6}
-        else:
-            s = run["llama1b_paired"]["seconds"]
-            summary = s["paired_summary"]
-            assert (f"measured {summary['x bare default']:.2f}x and {summary['x bare in_process']:.2f}x, with bare "
-                    f"vLLM at {s['paired_bare']:.3f} s ±{100 * summary['spread bare']:.0f}%") in flat
-        assert f"took {min(hs):.3f} to {max(hs):.3f} s" == stated and stated in flat, (min(hs), max(hs))
+    assert [r[1:] for r in _md_rows(doc, "run `llama1b_paired_split` in\n`benchmarks/results/capture_gpu_h200.json`")] == rendered
+    run = json.loads(results.read_text())["runs"]["llama1b_paired_split"]
+    assert f"`{run['command'].replace(' --timeout 500 --root /tmp/nnvllm-bench', '')}`" in flat
+    assert run["repeats"] == 24 and "the 7th and the 18th of the 24 ratios" in flat
+    summary = run["seconds"]["paired_split_summary"]
+    for form in ("settings", "own"):
+        lo, hi = summary[f"interval x bare {form}"]
+        assert lo < 1.0 < hi, form
+    assert (f"the in-process capture took {summary['x own in_process']:.2f}x the same engine's own generate, and "
+            f"the isolated one {summary['x in_process default']:.2f}x the in-process capture") in flat
+    calls = run["per_call"]["paired_split_in_process"]
+    med = {k: statistics.median(c[k] for c in calls) for k in ("client_generate", "client_collect", "handover_copy")}
+    built = statistics.median(c["client_request"] + c["client_assemble"] for c in calls)
+    assert (f"the generation {med['client_generate']:.3f} s" in flat and f"the collection {med['client_collect']:.3f} s" in flat
+            and f"takes {med['handover_copy']:.3f} s" in flat and f"`Run`, {built:.3f} s" in flat), (med, built)
+    adds = statistics.median(c["client_server_add"] for c in run["per_call"]["paired_split_default"])
+    assert f"adds the 64 requests ({adds:.3f} s)" in flat
+    both = [c for cs in run["per_call"].values() for c in cs]
+    hs = [c["handover"] for c in both]
+    assert len(both) == 48 and f"over the {len(both)} capturing calls the hand-off took {min(hs):.3f} to {max(hs):.3f} s" in flat.lower()
+    for cs in run["per_call"].values():
+        assert [c["files_made"] for c in cs[1:]] == [0] * (len(cs) - 1)
+    assert {c["handover_bytes"] for c in both} == {738754560} and "(738 MB)" in flat
 
 
 def test_the_cpu_engine_cost_in_docs_capture_is_its_recorded_run():
@@ -186,8 +197,8 @@ def test_the_interval_of_a_median_ratio_holds_the_median_as_often_as_it_says():
 
 def test_the_paired_split_sentence_in_docs_capture_is_its_recorded_run():
     """docs/capture.md's H100 figures of run ``llama1b_paired_split``: the per-turn ratios, bare
-    vLLM's median and spread, the intervals of the ratios, and no hand-off file made after each
-    engine's first call."""
+    vLLM's median and spread, the intervals of the ratios, each engine's first measured call, and
+    no hand-off file made after each engine's first call."""
     import json
     import subprocess
     import sys
