@@ -143,6 +143,9 @@ def test_the_paired_cost_table_in_docs_capture_is_its_recorded_run():
     built = statistics.median(c["client_request"] + c["client_assemble"] for c in calls)
     assert (f"the generation {med['client_generate']:.3f} s" in flat and f"the collection {med['client_collect']:.3f} s" in flat
             and f"takes {med['handover_copy']:.3f} s" in flat and f"`Run`, {built:.3f} s" in flat), (med, built)
+    rate = statistics.median(c["handover_bytes"] / c["handover_copy"] for c in calls) / 1e9
+    share = med["handover_copy"] / run["seconds"]["paired_split_bare"]
+    assert f"takes {med['handover_copy']:.3f} s ({rate:.0f} GB/s), {100 * share:.1f}% of bare vLLM's call" in flat, (rate, share)
     adds = statistics.median(c["client_server_add"] for c in run["per_call"]["paired_split_default"])
     assert f"adds the 64 requests ({adds:.3f} s)" in flat
     both = [c for cs in run["per_call"].values() for c in cs]
