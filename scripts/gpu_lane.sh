@@ -38,7 +38,7 @@
 #                compiled            capture_gpu.py, NNVLLM_COMPILE=1 (torch.compile with the taps inside) against
 #                                    vLLM's default and nv.load's graph engine, 12 calls each
 #                paired              capture_gpu.py, bare vLLM's default, nv.load's default and the in-process engine
-#                                    in one process, called in turns, 12 each
+#                                    in one process, called in turns (BENCH_TURNS)
 #                paired_split        capture_gpu.py, the paired case with vLLM under nnvllm's settings and the
 #                                    in-process engine's own generate too: each step of the gap, per turn
 #                split               capture_gpu.py, where nv.generate's cost over the engine's own generate goes:
@@ -73,8 +73,9 @@
 #   NOTEBOOKS      what the notebooks stage runs (default notebooks/)
 #   STAGE_TIMEOUT  seconds per test stage (default: none); PYTEST_ARGS: more pytest arguments
 #   PYTHON         the interpreter (default python3)
-#   BENCH_TURNS    the turns of bench items paired and paired_split (default 12; 24 narrow the 95% interval of
-#                  each median ratio from the 3rd-10th of the ratios to the 7th-18th)
+#   BENCH_TURNS    the turns of bench items paired and paired_split (default 24, whose 95% interval of each
+#                  median ratio is the 7th-18th of the ratios; 12 give the 3rd-10th; paired_split with 24
+#                  turns takes ~320 s on the H200)
 #   BENCH_CASES    the cases of bench items llama1b, gpt2s, compiled and split (capture_gpu.py --cases), each
 #                  in its own process and recorded as it ends: the cases first listed come back first
 #                  from a command cut at its limit
@@ -253,10 +254,10 @@ bench() {
                     --timeout 140 --root $root --cases bare_nocompile,nv_graphs,nv_graphs_residgraphs ;;
       compiled) bench_item "$item" $c --name llama1b_compiled --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
                   --timeout 200 --root $root --cases ${BENCH_CASES:-bare_graphs,nv_graphs_compiled,nv_graphs_compiled_residgraphs,nv_graphs} ;;
-      paired) bench_item "$item" $c --name llama1b_paired --shape llama1b --prompts 64 --tokens 128 --repeats ${BENCH_TURNS:-12} \
+      paired) bench_item "$item" $c --name llama1b_paired --shape llama1b --prompts 64 --tokens 128 --repeats ${BENCH_TURNS:-24} \
                 --timeout 400 --root $root --cases paired ;;
       paired_split) bench_item "$item" $c --name llama1b_paired_split --shape llama1b --prompts 64 --tokens 128 \
-                      --repeats ${BENCH_TURNS:-12} --timeout 500 --root $root --cases paired_split ;;
+                      --repeats ${BENCH_TURNS:-24} --timeout 500 --root $root --cases paired_split ;;
       kernels) bench_item "$item" $c --name llama1b_kernels --shape llama1b --prompts 64 --tokens 128 \
                  --timeout 300 --root $root --cases ${BENCH_CASES:-bare_kernels,bare_nocompile_kernels,nv_split_kernels} ;;
       host) bench_item "$item" $c --name llama1b_host --shape llama1b --prompts 64 --tokens 128 \
