@@ -86,8 +86,9 @@ batch, then the median of ``--repeats``):
 - ``paired``: nnvllm's defaults against vLLM's own, with a shared host's drift cancelled: in one process, bare
   vLLM's default engine (``vllm.LLM``, torch.compile + CUDA graphs), ``nv.load(path)`` (its default:
   isolated on a GPU) and ``nv.load(path, isolate=False)``, each with 0.28 of the GPU, called in turns
-  (the order rotating each turn), ``repeats`` turns: each engine's median and every call
-  (``paired_<engine>``); in ``paired_summary``, the median of each turn's ratio to bare (``x bare
+  (the order rotating each turn), ``repeats`` turns: what vLLM settled on for each engine
+  (``paired_config``: async scheduling, torch.compile, graphs; the isolated engine's as its ``info()``
+  reports them), each engine's median and every call (``paired_<engine>``); in ``paired_summary``, the median of each turn's ratio to bare (``x bare
   <engine>``), the interval that holds that median with at least 95% probability (``interval x bare
   <engine>``: :func:`median_interval`) and each engine's largest distance of a call from its median
   (``spread <engine>``, a fraction); nnvllm's timings of each call (``per_call``, with each process's collection pauses:
@@ -281,6 +282,15 @@ def _engine_config(llm) -> dict:
             "cudagraph_mode": str(cc.cudagraph_mode), "executor": str(c.parallel_config.distributed_executor_backend)}
 
 
+def _reported_config(model) -> dict:
+    """:func:`_engine_config`'s facts as ``model``'s engine reports them (``info()``, either transport:
+    an isolated engine's ``vllm.LLM`` is in its server's process)."""
+    from nnvllm.engine.transport import engine_of
+
+    info = engine_of(model).info()
+    return {k: info.get(k) for k in ("async_scheduling", "compile_mode", "cudagraph_mode")}
+
+
 def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: dict) -> dict:
     import torch
 
@@ -399,7 +409,8 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         iso = nv.load(path, dtype="float16", gpu_memory_utilization=share)
         inproc = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=share)
         res[f"{name}_config"] = {"bare": _engine_config(bare), "in_process": _engine_config(inproc.llm),
-                                 "isolated_is_isolated": bool(getattr(iso, "_nnvllm_isolated", False))}
+                                 "isolated_is_isolated": bool(getattr(iso, "_nnvllm_isolated", False)),
+                                 "isolated": _reported_config(iso)}
         forms = {"bare": lambda: bare.generate(ps, sp, use_tqdm=False)}
         if split:
             res[f"{name}_config"]["settings"] = _engine_config(settings)

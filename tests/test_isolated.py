@@ -280,6 +280,28 @@ def test_engines_lists_isolated_and_in_process_engines_with_pid_and_memory(iso, 
     assert nv.generate(iso, CLEAN, max_tokens=1, layers=None).text == [" Paris"]  # unaffected
 
 
+def test_both_transports_report_the_speed_settings_vllm_settled_on(iso, toy_path):
+    """An engine's ``info()`` says whether vLLM overlaps a step's host work with the previous step's
+    forward and how the forward runs (``nnvllm.engine.transport.speed_settings``, which the GPU
+    benchmarks record): an isolated engine reports what an in-process one of the same checkpoint
+    runs with, and that is what nnvllm asks of vLLM here (on a GPU: CUDA graphs, no torch.compile,
+    async scheduling; on the CPU: no graphs)."""
+    from nnvllm.engine.transport import engine_of
+
+    speed = ("async_scheduling", "compile_mode", "cudagraph_mode")
+    with nv.load(toy_path, isolate=False, **engine_kwargs(1)) as local:
+        ours = engine_of(local).info()
+        config = local.llm.llm_engine.vllm_config
+        assert ours["async_scheduling"] is bool(config.scheduler_config.async_scheduling)
+        assert ours["cudagraph_mode"] == config.compilation_config.cudagraph_mode.name
+    theirs = engine_of(iso).info()
+    assert {k: theirs[k] for k in speed} == {k: ours[k] for k in speed}
+    if torch.cuda.is_available() and os.environ.get("NNVLLM_COMPILE", "0") == "0":
+        assert ours["async_scheduling"] and ours["compile_mode"] == 0 and ours["cudagraph_mode"] != "NONE", ours
+    elif not torch.cuda.is_available():
+        assert ours["cudagraph_mode"] == "NONE", ours
+
+
 def test_sleep_is_refused_on_cpu_with_a_clear_message(iso):
     if torch.cuda.is_available():
         pytest.skip("checks the refusal on CPU; on a GPU sleep mode exists (docs/engines.md has its H200 numbers)")

@@ -22,7 +22,7 @@ from .aborts import Calls, ClientLeft, while_client_waits  # (stdlib-only at imp
 from .heap import gc_delta, gc_pauses  # (stdlib-only at import)
 from .procs import ENGINE_DIED, TOKEN_HEADER  # (stdlib-only at import)
 from .transport import (ARM, COLLECT, DISARM, PEEK, READOUT, UNEMBED, StreamBook, collect_tokens, eager_notice, pack,  # (stdlib-only at import)
-                        plain_output, sampling_params, unpack)
+                        plain_output, sampling_params, speed_settings, unpack)
 from .wire import pack_tensors, to_data  # (stdlib-only at import)
 
 
@@ -506,6 +506,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
             "cuda": torch.cuda.is_available(),
             "sleep_platform": current_platform.is_sleep_mode_available(),
             "sleep_mode": bool(getattr(mc, "enable_sleep_mode", False)),
+            **speed_settings(engine.vllm_config),
         }
 
     async def files():

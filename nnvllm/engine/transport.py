@@ -102,6 +102,16 @@ def plain_output(out) -> dict:
             "token_ids": list(gen.token_ids), "text": gen.text, "finished": bool(out.finished)}
 
 
+def speed_settings(vllm_config) -> dict:
+    """What vLLM settled on for an engine that decides its speed, as both transports' ``info()``
+    report it: whether the scheduler overlaps a step's host work with the previous step's forward
+    (``async_scheduling``), and how the forward runs (torch.compile's ``compile_mode``, 0 for none;
+    ``cudagraph_mode``)."""
+    cc = vllm_config.compilation_config
+    return {"async_scheduling": bool(vllm_config.scheduler_config.async_scheduling),
+            "compile_mode": None if cc.mode is None else int(cc.mode), "cudagraph_mode": str(getattr(cc.cudagraph_mode, "name", cc.cudagraph_mode))}
+
+
 def collect_tokens(outputs: list[dict]) -> dict[str, list[int]]:
     """The worker's ``nnvllm_collect`` argument: each request's generated ids, by request id."""
     return {o["request_id"]: o["token_ids"] for o in outputs}
@@ -461,7 +471,7 @@ class InProcessEngine:
         eng = self.llm.llm_engine
         return {"dtype": str(eng.model_config.dtype), "vocab_size": eng.model_config.get_vocab_size(),
                 "tp": eng.vllm_config.parallel_config.tensor_parallel_size,
-                "max_num_seqs": eng.vllm_config.scheduler_config.max_num_seqs}
+                "max_num_seqs": eng.vllm_config.scheduler_config.max_num_seqs, **speed_settings(eng.vllm_config)}
 
     def sleep_support(self) -> tuple[bool, bool]:
         from vllm.platforms import current_platform
