@@ -88,11 +88,11 @@ batch, then the median of ``--repeats``):
   isolated on a GPU) and ``nv.load(path, isolate=False)``, each with 0.28 of the GPU, called in turns
   (the order rotating each turn), ``repeats`` turns: what vLLM settled on for each engine
   (``paired_config``: async scheduling, torch.compile, graphs; the isolated engine's as its ``info()``
-  reports them), each engine's median and every call (``paired_<engine>``); in ``paired_summary``, the median of each turn's ratio to bare (``x bare
-  <engine>``), the interval that holds that median with at least 95% probability (``interval x bare
-  <engine>``: :func:`median_interval`) and each engine's largest distance of a call from its median
-  (``spread <engine>``, a fraction); nnvllm's timings of each call (``per_call``, with each process's collection pauses:
-  ``gc*`` the worker's, ``client_server_gc*`` the isolated server's, ``client_gc*`` this process's),
+  reports them), each engine's median and every call (``paired_<engine>``); in ``paired_summary``,
+  the median of each turn's ratio to bare (``x bare <engine>``), the interval that holds that median
+  with at least 95% probability (``interval x bare <engine>``: :func:`median_interval`) and each
+  engine's largest distance of a call from its median (``spread <engine>``, a fraction); nnvllm's
+  timings of each call (``per_call``, with each process's collection pauses: ``gc*`` the worker's, ``client_server_gc*`` the isolated server's, ``client_gc*`` this process's),
   and this process's pauses in each bare call (``paired_bare_gc``).
   ``paired_split``: the same with two more forms, each engine with 0.2 of the GPU: vLLM with nnvllm's
   engine settings (``settings``: no torch.compile, full graphs for decode only) and the in-process

@@ -178,8 +178,10 @@ def _untraced_steps(toy, toy_path, fidelity, SamplingParams) -> None:
     # A step that schedules nothing runs no forward and is no untraced step. Under async scheduling
     # (the GPU default) one follows a request's last token. Elsewhere the test runs one in each
     # worker: there the engine core is in this process, and its RPCs take a function.
+    from vllm.v1.engine.core_client import InprocClient
+
     config = toy.llm.llm_engine.vllm_config
-    if type(toy.llm.llm_engine.engine_core).__name__ == "InprocClient":
+    if isinstance(toy.llm.llm_engine.engine_core, InprocClient):
         assert toy.llm.collective_rpc(_empty_step) == [True] * config.parallel_config.tensor_parallel_size
     else:  # the engine core's own process: its RPCs take method names only
         assert config.scheduler_config.async_scheduling
