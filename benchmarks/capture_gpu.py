@@ -222,7 +222,7 @@ def _profiled(fn) -> dict:
     """A warm-up call, then one call under cProfile: its seconds (with the profiler on) and the 30
     costliest functions by own time, by cumulative time, and of nnsight and nnvllm by cumulative time
     (``ours``), one line each; and the calls that can wait for the device, with their callers
-    (``syncs``)."""
+    (``syncs``); and what the capture's per-step functions call (``step``)."""
     import cProfile
     import io
     import pstats
@@ -242,6 +242,10 @@ def _profiled(fn) -> dict:
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).print_callers(r"synchronize|'item'|'tolist'|'cpu'|'numpy'|pin_memory")
     out["syncs"] = [ln.rstrip() for ln in buf.getvalue().splitlines() if ln.strip()][2:]
+    # What a capture's step places on the host, call by call (nnvllm's per-step work: ``step_host``).
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).print_callees(r"arena.py:\d+\((_step|_place_step|_decode_step)\)")
+    out["step"] = [ln.rstrip() for ln in buf.getvalue().splitlines() if ln.strip()][2:]
     return out
 
 

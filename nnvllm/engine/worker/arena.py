@@ -110,11 +110,16 @@ class _Capture:
         self.features = _Features(spec.get("saes") or [], taps.device, self.keep, spec.get("sae_block_rows"))
         self.need_eager = (any(s not in taps.in_graph for s in self.sites + self.features.sites)
                            or (bool(edits) and not taps.replayable(edits))) and taps.cap > 0
+        # The sites each TP rank holds a slice of, gathered every step (none with one rank).
+        self.gather_sites = [s for s in dict.fromkeys(self.sites + self.features.sites) if taps.sharded(s)]
         self.requests: dict[str, tuple[int, int, int, int, int]] = {}  # rid -> (arena, off, rows, loff, plen)
         self.arenas: list[dict[str, torch.Tensor]] = []
         self.free_rows = 0
         self.free_steps = 0
         self.last_ids: list[str] | None = None
+        # Every prompt of the current batch is computed (a step found it); true until the batch changes
+        # or a step is not decode-shaped, and it spares the steady decode steps the check.
+        self.prompts_done = False
         self.merged_gate_up = bool(taps.arch.get("merged_gate_up"))
         # Logits stay in the engine's dtype (what its sampler upcasts): half the bytes of fp32 in fp16.
         self.logits_dtype = taps.dtype
@@ -212,21 +217,19 @@ class _Capture:
     def _step(self, runner: Any) -> None:
         t = self.taps
         n = runner.input_batch.num_reqs
-        if n == 0:
-            return
         qsl = runner.query_start_loc.np[: n + 1]
-        ntok = int(qsl[-1])
+        ntok = int(qsl[-1]) if n else 0
         if ntok == 0:
+            self.prompts_done = False  # (a step without the batch: what comes next is looked at afresh)
             return
         ids = runner.input_batch.req_ids[:n]
         dev = t.device
         # Sharded sites: all ranks gather (a collective each rank must join), rank 0 keeps.
         gathered = {}
-        for s in dict.fromkeys(self.sites + self.features.sites):
-            if t.sharded(s):
-                src = t.fired.get(s, t.static.get(s))
-                gathered[s] = _gather(src[:, :ntok], s, self.merged_gate_up,
-                                      t.kv_take() if s in ("k", "v") else None, t.heads.get("head_size"))
+        for s in self.gather_sites:
+            src = t.fired.get(s, t.static.get(s))
+            gathered[s] = _gather(src[:, :ntok], s, self.merged_gate_up,
+                                  t.kv_take() if s in ("k", "v") else None, t.heads.get("head_size"))
         if not self.keep or self.error is not None:
             return
         try:
@@ -252,15 +255,24 @@ class _Capture:
             self.tab = np.array([[e[0], e[1], e[3], e[4]] for e in ents], dtype=np.int64)
             self.arenas_here = np.unique(self.tab[:, 0])
             self.on_device = None  # the batch's columns on the device, made at its first decode step
-        counts = np.diff(qsl)
+            self.prompts_done = False
         # Bookkeeping the tests read (host-side numbers only): rows placed, prompt chunks seen.
         self.stats["rows"] += ntok
         self.stats["steps"] += 1
-        done = runner.input_batch.num_computed_tokens_cpu[:n] + counts
-        partial = int((done < self.tab[:, 3]).sum())  # requests whose prompt is not all computed yet
-        self.stats["partial_prefills"] += partial
-        if self.streaming:  # (a loop over the batch's requests: only when a stream will peek)
-            self.done.update(zip(ids, done.tolist()))
+        counts = None
+        if ntok != n:
+            self.prompts_done = False
+        partial = 0
+        if not self.prompts_done or self.streaming:
+            # Once a step finds every prompt of the batch computed, each later decode step of the same
+            # batch does too (computed tokens only grow; a preempted request leaves the batch).
+            counts = np.diff(qsl)
+            done = runner.input_batch.num_computed_tokens_cpu[:n] + counts
+            partial = int((done < self.tab[:, 3]).sum())  # requests whose prompt is not all computed yet
+            self.stats["partial_prefills"] += partial
+            self.prompts_done = partial == 0 and ntok == n
+            if self.streaming:  # (a loop over the batch's requests: only when a stream will peek)
+                self.done.update(zip(ids, done.tolist()))
         pos = runner.positions[:ntok]
         if pos.device != dev:
             pos = pos.to(dev)
@@ -282,6 +294,8 @@ class _Capture:
             self.stats["prompt_token_steps"] += partial > 0  # (a decode-shaped step carrying a prompt token)
             self._decode_step(runner, n, pos, source, prompts_done=partial == 0)
             return
+        if counts is None:  # (a decode step of a batch over several arenas)
+            counts = np.diff(qsl)
         tok_req = np.repeat(np.arange(n), counts)  # each token's request
         for k in arenas_here:
             arena = self.arenas[int(k)]
@@ -337,7 +351,8 @@ class _Capture:
         keep_logits = lg is not None and arena["_logits"].shape[1] != 1
         ldst = None
         if keep_logits and prompts_done:
-            dst, ldst = bases + pos  # both destinations in one operation: a kernel launch fewer a step
+            both = bases + pos  # both destinations in one operation: a kernel launch fewer a step
+            dst, ldst = both[0], both[1]  # (indexing: unpacking a tensor goes through Python's iterator)
         else:
             dst = off + pos
         if self.features:
