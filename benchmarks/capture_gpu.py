@@ -94,11 +94,13 @@ batch, then the median of ``--repeats``):
   engine's largest distance of a call from its median (``spread <engine>``, a fraction); nnvllm's
   timings of each call (``per_call``, with each process's collection pauses: ``gc*`` the worker's, ``client_server_gc*`` the isolated server's, ``client_gc*`` this process's),
   and this process's pauses in each bare call (``paired_bare_gc``).
-  ``paired_split``: the same with two more forms, each engine with 0.2 of the GPU: vLLM with nnvllm's
-  engine settings (``settings``: no torch.compile, full graphs for decode only) and the in-process
-  engine's own generate, nothing captured (``own``). ``paired_split_summary`` also has each step of
-  the gap, per turn: ``x bare settings``, ``x settings own``, ``x own in_process`` (the capture) and
-  ``x in_process default`` (the isolation).
+  ``paired_split``: the same with three more forms, each engine with 0.16 of the GPU: vLLM with nnvllm's
+  engine settings (``settings``: no torch.compile, full graphs for decode only), the in-process
+  engine's own generate, nothing captured (``own``), and ``nv.load(path)`` letting each call's
+  requests into the batch as they arrive (``trickle``: its server started with
+  ``NNVLLM_ONE_BATCH=0``). ``paired_split_summary`` also has each step of the gap, per turn:
+  ``x bare settings``, ``x settings own``, ``x own in_process`` (the capture), ``x in_process
+  default`` (the isolation) and ``x default trickle`` (not holding the batch).
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -402,7 +404,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         from vllm import LLM, SamplingParams
 
         split = name == "paired_split"
-        share = 0.2 if split else 0.28
+        share = 0.16 if split else 0.28
         bare = LLM(path, dtype="float16", gpu_memory_utilization=share)
         sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
         if split:  # vLLM with nnvllm's engine settings (no torch.compile, full graphs for decode only)
@@ -411,6 +413,16 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         import nnvllm as nv
 
         iso = nv.load(path, dtype="float16", gpu_memory_utilization=share)
+        if split:  # the isolated engine letting a call's requests into the batch as they arrive
+            was = os.environ.get("NNVLLM_ONE_BATCH")
+            os.environ["NNVLLM_ONE_BATCH"] = "0"  # (read by the server, which takes this environment)
+            try:
+                trickle = nv.load(path, dtype="float16", gpu_memory_utilization=share)
+            finally:
+                if was is None:
+                    del os.environ["NNVLLM_ONE_BATCH"]
+                else:
+                    os.environ["NNVLLM_ONE_BATCH"] = was
         inproc = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=share)
         res[f"{name}_config"] = {"bare": _engine_config(bare), "in_process": _engine_config(inproc.llm),
                                  "isolated_is_isolated": bool(getattr(iso, "_nnvllm_isolated", False)),
@@ -421,6 +433,8 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             forms["settings"] = lambda: settings.generate(ps, sp, use_tqdm=False)
             forms["own"] = lambda: inproc.llm.generate(ps, sp, use_tqdm=False)  # nnvllm's engine, nothing kept
         forms["default"] = lambda: nv.generate(iso, ps, max_tokens=T, ignore_eos=True)
+        if split:
+            forms["trickle"] = lambda: nv.generate(trickle, ps, max_tokens=T, ignore_eos=True)
         forms["in_process"] = lambda: nv.generate(inproc, ps, max_tokens=T, ignore_eos=True)
         for fn in forms.values():
             fn()  # warm-up
@@ -428,7 +442,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
 
         labels = list(forms)
         times: dict[str, list[float]] = {label: [] for label in labels}
-        per_call: dict[str, list[dict]] = {label: [] for label in ("default", "in_process")}  # nnvllm's timings
+        per_call: dict[str, list[dict]] = {label: [] for label in ("default", "trickle", "in_process") if label in forms}  # nnvllm's timings
         from nnvllm.engine.heap import gc_delta, gc_pauses
 
         bare_gc: list[dict] = []  # this process's collection pauses in each bare call (its client's)
@@ -458,11 +472,14 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                 summary[f"x bare {label}"] = statistics.median(ratios)
                 summary[f"interval x bare {label}"] = median_interval(ratios)
         if split:  # each step of the gap, per turn: settings, nnvllm's engine, the capture, the isolation
-            for a, b in (("settings", "bare"), ("own", "settings"), ("in_process", "own"), ("default", "in_process")):
+            for a, b in (("settings", "bare"), ("own", "settings"), ("in_process", "own"), ("default", "in_process"),
+                         ("trickle", "default")):
                 summary[f"x {b} {a}"] = statistics.median(x / y for x, y in zip(times[a], times[b]))
         res[f"{name}_summary"] = summary
         res[f"{name}_bare_gc"] = bare_gc
         iso.close()
+        if split:
+            trickle.close()
         inproc.close()
         return res
     if name in ("nv_split", "nv_split_profile", "nv_split_kernels"):
@@ -721,7 +738,7 @@ def main() -> None:
                         if "per_call" in v:
                             out.setdefault("per_call", {})[k] = v["per_call"]
                     if isinstance(v, dict) and "tottime" in v:  # a profiled call (the *_profile cases)
-                        out.setdefault("profiles", {})[k] = {key: v[key] for key in ("tottime", "cumulative", "ours", "syncs") if key in v}
+                        out.setdefault("profiles", {})[k] = {key: v[key] for key in ("tottime", "cumulative", "ours", "syncs", "step") if key in v}
             else:
                 out["errors"][c] = (p.stderr or p.stdout)[-3000:]
         except subprocess.TimeoutExpired as e:
@@ -794,7 +811,7 @@ def table(run: dict) -> str:
         # and the 95% interval of that median ratio, from the turns' ratios (recorded runs keep every call)
         calls = run.get("all", {})
         lines += ["| engine | seconds | x bare, per turn | 95% interval | spread |", "|---|---|---|---|---|"]
-        for label in ("bare", "settings", "own", "default", "in_process"):
+        for label in ("bare", "settings", "own", "default", "trickle", "in_process"):
             if f"spread {label}" in paired:
                 ratio, span = paired.get(f"x bare {label}", 1.0), ""
                 if label != "bare" and f"{case}_{label}" in calls:

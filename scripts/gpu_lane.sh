@@ -75,7 +75,8 @@
 #   PYTHON         the interpreter (default python3)
 #   BENCH_TURNS    the turns of bench items paired and paired_split (default 24, whose 95% interval of each
 #                  median ratio is the 7th-18th of the ratios; 12 give the 3rd-10th; paired_split with 24
-#                  turns takes ~320 s on the H200)
+#                  turns and six forms took 492 s on the H100, engine starts included: a command of its own,
+#                  BENCH_TIMEOUT=590)
 #   BENCH_CASES    the cases of bench items llama1b, gpt2s, compiled and split (capture_gpu.py --cases), each
 #                  in its own process and recorded as it ends: the cases first listed come back first
 #                  from a command cut at its limit
@@ -257,7 +258,7 @@ bench() {
       paired) bench_item "$item" $c --name llama1b_paired --shape llama1b --prompts 64 --tokens 128 --repeats ${BENCH_TURNS:-24} \
                 --timeout 400 --root $root --cases paired ;;
       paired_split) bench_item "$item" $c --name llama1b_paired_split --shape llama1b --prompts 64 --tokens 128 \
-                      --repeats ${BENCH_TURNS:-24} --timeout 500 --root $root --cases paired_split ;;
+                      --repeats ${BENCH_TURNS:-24} --timeout 560 --root $root --cases paired_split ;;
       kernels) bench_item "$item" $c --name llama1b_kernels --shape llama1b --prompts 64 --tokens 128 \
                  --timeout 300 --root $root --cases ${BENCH_CASES:-bare_kernels,bare_nocompile_kernels,nv_split_kernels} ;;
       host) bench_item "$item" $c --name llama1b_host --shape llama1b --prompts 64 --tokens 128 \

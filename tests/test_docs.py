@@ -199,31 +199,53 @@ def test_the_interval_of_a_median_ratio_holds_the_median_as_often_as_it_says():
 
 
 def test_the_paired_split_sentence_in_docs_capture_is_its_recorded_run():
-    """docs/capture.md's H100 figures of run ``llama1b_paired_split``: the per-turn ratios, bare
-    vLLM's median and spread, the intervals of the ratios, each engine's first measured call, and
-    no hand-off file made after each engine's first call."""
+    """docs/capture.md's H100 figures of run ``llama1b_paired_split``: the per-turn ratios and their
+    intervals, bare vLLM's median and spread, the steps of the gap, the engines' settings, the held
+    batch against the trickle, the per-step host time (with the steps the H100's profile counted),
+    each engine's first measured call, and no hand-off file made after each engine's first call."""
     import json
+    import statistics
     import subprocess
     import sys
 
     root = README.parent
     flat = " ".join((root / "docs" / "capture.md").read_text().split())
-    run = json.loads((root / "benchmarks" / "results" / "capture_gpu_h100_80gb_hbm3.json").read_text())["runs"]
-    s = run["llama1b_paired_split"]["seconds"]
+    path = root / "benchmarks" / "results" / "capture_gpu_h100_80gb_hbm3.json"
+    run = json.loads(path.read_text())["runs"]
+    r = run["llama1b_paired_split"]
+    s = r["seconds"]
     summary = s["paired_split_summary"]
-    assert (f"`nv.load(path)` at {summary['x bare default']:.2f}x and `nv.load(path, isolate=False)` at "
-            f"{summary['x bare in_process']:.2f}x bare vLLM's default, per turn, with bare vLLM at "
-            f"{s['paired_split_bare']:.3f} s ±{100 * summary['spread bare']:.0f}%") in flat
-    for calls in run["llama1b_paired_split"]["per_call"].values():
-        assert [c["files_made"] for c in calls[1:]] == [0] * (len(calls) - 1)
     tool = subprocess.run([sys.executable, str(root / "benchmarks" / "capture_gpu.py"), "--table", "llama1b_paired_split",
-                           "--out", str(root / "benchmarks" / "results" / "capture_gpu_h100_80gb_hbm3.json")],
-                          capture_output=True, text=True, check=True).stdout
-    spans = {r[0]: r[3] for r in _md_rows(tool, "x bare, per turn")}
-    assert f"their 95% intervals, {spans['`default`']} and {spans['`in_process`']}, are wider than the gap" in flat
+                           "--out", str(path)], capture_output=True, text=True, check=True).stdout
+    spans = {r_[0]: r_[3] for r_ in _md_rows(tool, "x bare, per turn")}
+    assert (f"measured `nv.load(path)` at {summary['x bare default']:.2f}x and `nv.load(path, isolate=False)` at "
+            f"{summary['x bare in_process']:.2f}x bare vLLM's default, per turn, with bare vLLM at "
+            f"{s['paired_split_bare']:.3f} s ±{100 * summary['spread bare']:.0f}%; their 95% intervals are "
+            f"{spans['`default`']} and {spans['`in_process`']}") in flat
+    assert (f"vLLM under nnvllm's settings took {summary['x bare settings']:.2f}x and the in-process engine's own "
+            f"generate {summary['x bare own']:.2f}x; the in-process capture took {summary['x own in_process']:.2f}x "
+            f"that own generate, and the isolated one {summary['x in_process default']:.2f}x the in-process capture") in flat
+    cfg = s["paired_split_config"]
+    assert cfg["isolated"] == {"async_scheduling": True, "compile_mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    assert {c["async_scheduling"] for c in (cfg["in_process"], cfg["settings"])} == {True}
+    assert {c["cudagraph_mode"] for c in (cfg["in_process"], cfg["settings"])} == {"FULL_DECODE_ONLY"}
+    sys.path.insert(0, str(root / "benchmarks"))
+    from capture_gpu import median_interval
+
+    lo, hi = median_interval([a / b for a, b in zip(r["all"]["paired_split_trickle"], r["all"]["paired_split_default"])])
+    assert lo < 1.0 < hi
+    assert (f"{summary['x default trickle']:.2f}x the held batch of `nv.load(path)`, per turn (95% interval "
+            f"{lo:.2f}–{hi:.2f})") in flat
+    host = statistics.median(c["step_host"] for c in r["per_call"]["paired_split_in_process"])
+    steps = [ln for ln in run["llama1b_split_profile"]["profiles"]["nv_split_profile_all"]["ours"]
+             if ln.endswith("arena.py:210(step)")]
+    assert steps and steps[0].split()[0] == "128", steps
+    assert f"had a median of {1e3 * host:.1f} ms a call in-process, about {round(1e6 * host / 128, -1):.0f} µs" in flat
+    for calls in r["per_call"].values():
+        assert [c["files_made"] for c in calls[1:]] == [0] * (len(calls) - 1)
     firsts = []
     for form in ("default", "in_process"):
-        times = run["llama1b_paired_split"]["all"][f"paired_split_{form}"]
+        times = r["all"][f"paired_split_{form}"]
         assert times[0] < max(times)
         firsts.append(f"{times[0]:.3f} s")
     assert f"each engine's first measured call ({firsts[0]} and {firsts[1]}) was not its slowest" in flat
