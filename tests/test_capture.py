@@ -98,3 +98,47 @@ def test_run_save_load_and_frame(engine, tmp_path):
     df = run.to_frame()
     assert len(df) == sum(len(t) for t in run.tokens)
     assert set(df.columns) >= {"request", "step", "token_id", "prob", "top1_id", "top1_prob", "logit"}
+
+
+_ONE_PROCESS_SCRIPT = """
+import os, sys, torch
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core and its worker in this process
+sys.path.insert(0, sys.argv[3])
+import nnvllm as nv
+from nnvllm import capture
+from conftest import engine_kwargs
+m = nv.load(sys.argv[1], isolate=False, **engine_kwargs(1))
+run = nv.generate(m, sys.argv[4:], max_tokens=4, sites=("mlp",), ignore_eos=True)
+run.save(sys.argv[2] + "/run.pt")
+torch.save(dict(capture._LAST_TIMINGS), sys.argv[2] + "/timings.pt")
+m.close()
+"""
+
+
+def test_a_client_in_the_workers_process_gets_the_capture_by_the_fast_path(toy_path, tp, tmp_path, fidelity):
+    """The engine core and its worker in the client's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+    nnvllm's CPU engine at TP=1, an option on a GPU). A CPU arena's tensors reach the Run as they
+    are, with no copy; a CUDA arena's go through the page-locked shared-memory files (one DMA), not
+    a pageable copy. Either way the values are transformers'."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if tp > 1:
+        pytest.skip("the worker shares the client's process at TP=1 only")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}
+    subprocess.run([sys.executable, "-c", _ONE_PROCESS_SCRIPT, str(toy_path), str(tmp_path),
+                    str(Path(__file__).parent), *PROMPTS], check=True, env=env, timeout=600)
+    run = nv.Run.load(tmp_path / "run.pt")
+    timings = torch.load(tmp_path / "timings.pt")
+    if torch.cuda.is_available():
+        assert timings.get("handover_bytes", 0) > 0, timings  # through the files
+    else:
+        assert "handover_bytes" not in timings and "handover_copy" not in timings, timings  # as they are
+    hf = fidelity.reference(toy_path, PROMPTS, max_tokens=4, sites=("mlp",), ignore_eos=True)
+    assert run.tokens == hf.value.tokens
+    for i in range(len(PROMPTS)):
+        hf.check(run.resid[i], TOL, lambda r, i=i: r.resid[i], f"resid[{i}]")
+        hf.check(run.sites["mlp"][i], TOL, lambda r, i=i: r.sites["mlp"][i], f"mlp[{i}]")
+        hf.check(run.logits[i], TOL, lambda r, i=i: r.logits[i], f"logits[{i}]")
