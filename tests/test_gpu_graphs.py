@@ -120,6 +120,7 @@ def _traces(toy_path, graphs: bool) -> dict:
         for what, fn in (("read", lambda: _trace_every_step(model, PROMPTS, T)),
                          ("kept", lambda: _trace_every_step(model, PROMPTS, T, kept=True)),
                          ("edit", lambda: _trace_every_step(model, PROMPTS, T, edit=edit)),
+                         ("inplace", lambda: _trace_every_step(model, PROMPTS, T, edit=edit, inplace=True)),
                          ("mlp", lambda: _trace_every_step(model, PROMPTS, T, site="mlp")), ("late", lambda: _late_read(model, T)),
                          ("generate", lambda: nv.generate(model, PROMPTS * 8, max_tokens=T, ignore_eos=True))):
             with warnings.catch_warnings(record=True) as caught:
@@ -142,26 +143,27 @@ def test_a_trace_of_the_blocks_outputs_replays_graph_pieces_and_reads_and_edits_
     e = _traces(toy_path, graphs=False)
     print("step modes on the graph engine:", {k: g[k] for k in g if k.endswith("_modes")})
     assert g["read_modes"]["pieces_recorded"], "the graph engine recorded no graph pieces"
-    for what in ("read", "kept", "edit", "mlp", "generate"):
+    for what in ("read", "kept", "edit", "inplace", "mlp", "generate"):
         for run in (g, e):
             assert not isinstance(run[what], Exception), (what, run[what])
-    # Reads and swaps at the blocks' outputs: every decode step of the trace replayed pieces (the eager
-    # steps are the prefills: the scheduler may prefill the three prompts in one step or in two). A
-    # trace that keeps what it is served without a copy keeps each step's values, not the memory the
-    # next replay writes.
-    for what in ("read", "kept", "edit"):
+    # Reads, swaps and in-place edits at the blocks' outputs: every decode step of the trace replayed
+    # pieces (the eager steps are the prefills: the scheduler may prefill the three prompts in one step
+    # or in two). A trace that keeps what it is served without a copy keeps each step's values, not the
+    # memory the next replay writes.
+    for what in ("read", "kept", "edit", "inplace"):
         m = g[what + "_modes"]
         assert m.get("pieces", 0) >= T - 1 and m.get("eager", 0) <= 2 and not m.get("graphs"), (what, m)
         gaps = [_gap(a, b) for a, b in zip(g[what], e[what])]
         assert len(gaps) == len(PROMPTS) and max(gaps) < REL, (what, max(gaps))
     moved = max(float((a[2:] - b[2:]).abs().max()) for a, b in zip(g["edit"], g["read"]))
     assert moved > 0.1  # the swap reached the forward after block 1
+    assert max(_gap(a, b) for a, b in zip(g["inplace"], g["edit"])) < REL  # and the in-place edit, the same way
     # A read inside the forward (each block's MLP) runs its steps eagerly, with the same values, and the
     # trace says so in one notice naming the place; the traces served in pieces say nothing.
     assert not g["mlp_modes"].get("pieces") and g["mlp_modes"].get("eager", 0) >= T, g["mlp_modes"]
     assert len(g["mlp_notices"]) == 1 and "mlp.output" in g["mlp_notices"][0], g["mlp_notices"]
-    assert not any(g[w + "_notices"] for w in ("read", "kept", "edit", "generate")), g
-    assert not any(e[w + "_notices"] for w in ("read", "kept", "edit", "mlp", "late", "generate")), e
+    assert not any(g[w + "_notices"] for w in ("read", "kept", "edit", "inplace", "generate")), g
+    assert not any(e[w + "_notices"] for w in ("read", "kept", "edit", "inplace", "mlp", "late", "generate")), e
     assert max(_gap(a, b) for a, b in zip(g["mlp"], e["mlp"])) < REL
     # A read inside the forward first asked for in a step in pieces is refused, not served from a later step.
     assert isinstance(g["late"], Exception) and "in pieces" in str(g["late"]), g["late"]

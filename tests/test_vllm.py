@@ -298,11 +298,12 @@ def test_tp_ranks_spin_briefly_after_a_read_on_cpu(toy):
     assert toy.llm.collective_rpc(_busy_loop_default) == [CPU_BUSY_LOOP_S] * toy.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
 
 
-def _trace_every_step(model, prompts, steps, edit=None, site=None, kept=False):
+def _trace_every_step(model, prompts, steps, edit=None, site=None, kept=False, inplace=False):
     """Per prompt: every block's output (or each block's ``site`` submodule's) at every step, the rows
     of all steps concatenated ``[layer, position, width]``; with ``edit``, block 1's output is replaced
-    by itself plus ``edit`` at every step (a swap) before the later blocks are read. ``kept``: the trace
-    keeps the values it is served themselves (no clone, no copy inside the trace)."""
+    by itself plus ``edit`` at every step (a swap; ``inplace``: added to it in place) before the later
+    blocks are read. ``kept``: the trace keeps the values it is served themselves (no clone, no copy
+    inside the trace)."""
     h = model.transformer.h
     with model.trace(temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
         for p in prompts:
@@ -311,7 +312,9 @@ def _trace_every_step(model, prompts, steps, edit=None, site=None, kept=False):
                 for _ in tracer.iter[:steps]:
                     vals = []
                     for i in range(len(h)):  # in the forward's order
-                        if edit is not None and i == 1:
+                        if edit is not None and i == 1 and inplace:
+                            h[1].output.add_(edit.to(h[1].output.device))
+                        elif edit is not None and i == 1:
                             h[1].output = h[1].output + edit.to(h[1].output.device)
                         out = (h[i] if site is None else getattr(h[i], site)).output
                         vals.append(out if kept else out.clone())

@@ -58,6 +58,17 @@ def trace_pieces() -> bool:
     return True
 
 
+def _tensors(x: Any) -> list:
+    """The tensors in ``x`` (a tensor, or tuples, lists and dicts of them), in order."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
 def _interleaver_class():
     """nnsight's graph-aware interleaver, serving seams (``graph_taps``) in steps in pieces and every
     location in eager ones (nnsight's own skips non-taps everywhere), and learning which locations
@@ -76,9 +87,15 @@ def _interleaver_class():
                 return super().replay(location, live)  # (nothing served: the visit is counted)
             total = self.batcher.total
             live = apply(live, lambda t: t[:total] if t.dim() and t.shape[0] > total else t, torch.Tensor)
-            # (Always written back: the step's tensors are inference tensors, which keep no version
-            # counter to tell an in-place edit by.)
-            _copy_into(live, self.handle(location, apply(live, torch.Tensor.clone, torch.Tensor)))
+            # The copy is a normal tensor, not an inference tensor like the step's: it keeps a version
+            # counter, which an in-place edit moves, so a trace that only reads costs no write-back.
+            with torch.inference_mode(False):
+                served = apply(live, torch.Tensor.clone, torch.Tensor)
+            before = [(t, t._version) for t in _tensors(served)]
+            out = self.handle(location, served)
+            after = _tensors(out)
+            if len(after) != len(before) or any(a is not t or t._version != v for a, (t, v) in zip(after, before)):
+                _copy_into(live, out)
 
         def handle(self, provider: str, value: Any) -> Any:
             if self.learning and torch.cuda.is_current_stream_capturing():
