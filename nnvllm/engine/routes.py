@@ -119,6 +119,19 @@ async def _start_together(engine, ids: list[str], tasks: list, start) -> None:
         _unwaited(core.resume_scheduler_async())
 
 
+def _rendered(engine, prompts: list) -> list:
+    """``prompts`` as vLLM's renderer makes them, in one call, as vLLM's own ``LLM.generate`` does.
+    AsyncLLM renders a prompt it is given unrendered on its renderer's thread pool, one hand-off to a
+    thread per request, each waiting for the GIL beside the event loop; a rendered one it takes inline."""
+    try:
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+    except ImportError:  # a vLLM without the renderer: AsyncLLM renders each prompt itself
+        return prompts
+    renderer = engine.renderer
+    return list(renderer.render_cmpl([parse_model_prompt(engine.model_config, p) for p in prompts],
+                                     renderer.default_cmpl_tok_params))
+
+
 def _merge_saves(mediators: list, per_request: list[dict]) -> dict:
     """Merge per-invoke saves the way nnsight's in-process engine does (``VLLM._collect``).
 
@@ -290,7 +303,8 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         try:
             # Final outputs only: a per-step output per request costs Python per request x step.
             params = sampling_params(req["params"], len(req["prompts"]), RequestOutputKind.FINAL_ONLY)
-        except (TypeError, ValueError) as e:
+            prompts = _rendered(engine, req["prompts"])
+        except Exception as e:  # noqa: BLE001 (bad parameters, or a prompt vLLM refuses)
             return _packed({"error": [type(e).__name__, str(e)]})
 
         async def one(prompt, sp, request_id):
@@ -308,7 +322,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                 t2 = time.perf_counter()
                 try:
                     await _start_together(engine, ids, tasks, lambda: [
-                        asyncio.ensure_future(one(p, sp, i)) for p, sp, i in zip(req["prompts"], params, ids)])
+                        asyncio.ensure_future(one(p, sp, i)) for p, sp, i in zip(prompts, params, ids)])
                     t3 = time.perf_counter()
                     await while_client_waits(request, left, tasks)
                     outputs = [t.result() for t in tasks]
@@ -361,7 +375,8 @@ def _install(app, token: str, model, checkpoint: str) -> None:
         req = torch.load(io.BytesIO(await request.body()), weights_only=True)
         try:  # every step's output
             params = sampling_params(req["params"], len(req["prompts"]), RequestOutputKind.CUMULATIVE)
-        except (TypeError, ValueError) as e:
+            prompts = _rendered(engine, req["prompts"])
+        except Exception as e:  # noqa: BLE001 (bad parameters, or a prompt vLLM refuses)
             return _torch_payload({"error": (type(e).__name__, str(e))})
         sid = str(req["stream_id"])
         stop, gone = asyncio.Event(), asyncio.Event()
@@ -409,7 +424,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                     await _rpc(engine, ARM, (req["spec"],))
                     armed = True
                     await _start_together(engine, book.ids, tasks, lambda: [
-                        asyncio.ensure_future(one(p, sp, i)) for p, sp, i in zip(req["prompts"], params, book.ids)])
+                        asyncio.ensure_future(one(p, sp, i)) for p, sp, i in zip(prompts, params, book.ids)])
                     running = len(tasks)
                     while running:
                         items = await next_items()
