@@ -134,7 +134,7 @@ def test_a_failed_recording_fails_alone_and_the_engine_keeps_answering(toy):
 
     out = toy.llm.generate(["The capital of Italy is"], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     assert out[0].outputs[0].text  # the generation itself completed
-    res = toy.llm.collective_rpc("nnvllm_collect", args=({}, os.getpid()))[0]
+    res = toy.llm.collective_rpc("nnvllm_collect", args=({},))[0]
     assert "error" in res and "nope" in res["error"]
     again = nv.generate(toy, "The capital of France is", max_tokens=3)
     assert again.text == first.text and torch.equal(again.resid[0], first.resid[0])

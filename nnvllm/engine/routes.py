@@ -338,7 +338,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                     # What nnsight's engine does for every finished request: wind up the workers an
                     # installed edit (model.edit) ran on them. One call for all, not one per request.
                     await _rpc(engine, "collect_nnsight", (ids, ids))
-                handoff = (await _rpc(engine, COLLECT, (collect_tokens(outputs), None)))[0]
+                handoff = (await _rpc(engine, COLLECT, (collect_tokens(outputs),)))[0]
                 t5 = time.perf_counter()
             except Exception as e:
                 if _dead(engine):
@@ -443,7 +443,7 @@ def _install(app, token: str, model, checkpoint: str) -> None:
                         return
                     outputs = book.outputs()
                     armed = False
-                    handoff = (await _rpc(engine, COLLECT, (collect_tokens(outputs), None)))[0]
+                    handoff = (await _rpc(engine, COLLECT, (collect_tokens(outputs),)))[0]
                     await out.put(frame({"outputs": outputs, "handoff": handoff}))
                 except Exception as e:  # noqa: BLE001
                     await out.put(frame({"error": (type(e).__name__, ENGINE_DIED if _dead(engine) else str(e))}))

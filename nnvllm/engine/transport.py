@@ -30,7 +30,6 @@ thread-safe, and two threads stepping one engine corrupted its scheduler and the
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import threading
 import time
@@ -406,7 +405,7 @@ class InProcessEngine:
                 self.llm.collective_rpc(DISARM)
                 raise
             t2 = time.perf_counter()
-            handoff = self.llm.collective_rpc(COLLECT, args=(collect_tokens(outputs), os.getpid()))[0]
+            handoff = self.llm.collective_rpc(COLLECT, args=(collect_tokens(outputs),))[0]
         CLIENT_TIMINGS.update(arm=t1 - t0, generate=t2 - t1, collect=time.perf_counter() - t2)
         return outputs, handoff
 
@@ -442,7 +441,7 @@ class InProcessEngine:
                     break
             outputs = book.outputs()
             armed = False
-            handoff = self.llm.collective_rpc(COLLECT, args=(collect_tokens(outputs), os.getpid()))[0]
+            handoff = self.llm.collective_rpc(COLLECT, args=(collect_tokens(outputs),))[0]
             yield "done", outputs, handoff
         finally:
             self.lock.adopt()  # (closed, perhaps by the garbage collector in another thread)

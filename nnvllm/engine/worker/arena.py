@@ -425,7 +425,7 @@ class _Capture:
         return out
 
     # ---- at the end
-    def collect(self, tokens: dict[str, list[int]], same_process: bool) -> dict | None:
+    def collect(self, tokens: dict[str, list[int]]) -> dict | None:
         self._flush()
         if self.error is not None:
             return {"error": self.error}
@@ -455,7 +455,7 @@ class _Capture:
             if self.logits:
                 tensors["_logits"] = arena["_logits"][:used_steps]
             t0 = _now(dev)
-            out["arenas"].append(_handover(tensors, same_process and self.direct, self.shm, self.timings,
+            out["arenas"].append(_handover(tensors, self.direct, self.shm, self.timings,
                                            inline=self.inline))
             self.timings["handover"] = self.timings.get("handover", 0.0) + _now(dev) - t0
         if any(s in _HEAD_SITES for s in self.sites):  # for the Run's meta: what Run.attention rebuilds with

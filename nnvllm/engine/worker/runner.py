@@ -281,7 +281,7 @@ class CaptureWorker:
         torch.save(cap.peek(), buf)
         return buf.getvalue()
 
-    def nnvllm_collect(self, tokens: dict, client_pid: int | None = None) -> dict | None:
+    def nnvllm_collect(self, tokens: dict) -> dict | None:
         runner = self.model_runner
         cap = getattr(runner, "_nnvllm_capture", None)
         taps = getattr(runner, "_nnvllm_taps", None)
@@ -292,7 +292,7 @@ class CaptureWorker:
         if cap is None:
             return None
         try:
-            return cap.collect(tokens, same_process=client_pid == os.getpid())
+            return cap.collect(tokens)
         finally:
             _HOST.end()
             if cap.shm is not None:
