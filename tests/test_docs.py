@@ -138,6 +138,9 @@ def test_the_paired_cost_table_in_docs_capture_is_its_recorded_run():
         assert lo < 1.0 < hi, form
     assert (f"the in-process capture took {summary['x own in_process']:.2f}x the same engine's own generate, and "
             f"the isolated one {summary['x in_process default']:.2f}x the in-process capture") in flat
+    assert _fastest_steps(run["all"], "paired_split") == [1.03, 1.05, 1.09, 1.04, 1.22]
+    assert ("The fastest calls tell the steps apart: 1.03x for the settings, 1.05x more for nnsight's runner, "
+            "1.09x more for the capture and 1.04x more for the isolation, 1.22x in all.") in flat
     calls = run["per_call"]["paired_split_in_process"]
     med = {k: statistics.median(c[k] for c in calls) for k in ("client_generate", "client_collect", "handover_copy")}
     built = statistics.median(c["client_request"] + c["client_assemble"] for c in calls)
@@ -198,6 +201,14 @@ def test_the_interval_of_a_median_ratio_holds_the_median_as_often_as_it_says():
     assert narrower / trials < 0.9, narrower / trials
 
 
+def _fastest_steps(calls: dict, case: str) -> list[float]:
+    """The fastest call of each step of the gap against the step before (settings over bare, own over
+    settings, in_process over own, default over in_process), then default's over bare's, rounded."""
+    fastest = {form: min(calls[f"{case}_{form}"]) for form in ("bare", "settings", "own", "in_process", "default")}
+    steps = [("settings", "bare"), ("own", "settings"), ("in_process", "own"), ("default", "in_process"), ("default", "bare")]
+    return [round(fastest[a] / fastest[b], 2) for a, b in steps]
+
+
 def test_the_paired_split_sentence_in_docs_capture_is_its_recorded_run():
     """docs/capture.md's H100 figures of run ``llama1b_paired_split``: the per-turn ratios and their
     intervals, bare vLLM's median and spread, the steps of the gap, the engines' settings, the held
@@ -225,6 +236,13 @@ def test_the_paired_split_sentence_in_docs_capture_is_its_recorded_run():
     assert (f"vLLM under nnvllm's settings took {summary['x bare settings']:.2f}x and the in-process engine's own "
             f"generate {summary['x bare own']:.2f}x; the in-process capture took {summary['x own in_process']:.2f}x "
             f"that own generate, and the isolated one {summary['x in_process default']:.2f}x the in-process capture") in flat
+    steps = _fastest_steps(r["all"], "paired_split")
+    in_process = round(min(r["all"]["paired_split_in_process"]) / min(r["all"]["paired_split_bare"]), 2)
+    assert (f"`nv.load(path)` {steps[4]:.2f}x and `nv.load(path, isolate=False)` {in_process:.2f}x bare vLLM's "
+            f"fastest; the settings {steps[0]:.2f}x, nnsight's runner {steps[1]:.2f}x more, the capture "
+            f"{steps[2]:.2f}x more, the isolation {steps[3]:.2f}x more") in flat, (steps, in_process)
+    adds = statistics.median(c["client_server_add"] for c in r["per_call"]["paired_split_default"])
+    assert f"adds a call's 64 requests in {adds:.3f} s (median)" in flat, adds
     cfg = s["paired_split_config"]
     assert cfg["isolated"] == {"async_scheduling": True, "compile_mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
     assert {c["async_scheduling"] for c in (cfg["in_process"], cfg["settings"])} == {True}
