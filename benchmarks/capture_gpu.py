@@ -96,13 +96,14 @@ batch, then the median of ``--repeats``):
   timings of each call (``per_call``, with each process's collection pauses: ``gc*`` the worker's, ``client_server_gc*`` the isolated server's, ``client_gc*`` this process's),
   and this process's pauses in each bare call (``paired_bare_gc``).
   ``paired_split``: the same with three more forms, each engine with 0.16 of the GPU: vLLM with nnvllm's
-  engine settings (``settings``: no torch.compile, full graphs for decode only), the in-process
-  engine's own generate, nothing captured (``own``), and ``nv.load(path)`` letting each call's
-  requests into the batch as they arrive (``trickle``: its server started with
-  ``NNVLLM_ONE_BATCH=0``). ``paired_split_summary`` also has each step of the gap, per turn:
-  ``x bare settings``, ``x settings own``, ``x own in_process`` (the capture), ``x in_process
-  default`` (the isolation) and ``x default trickle`` (not holding the batch), and the same steps
-  between the fastest calls (``fastest x bare settings``...).
+  engine settings (``settings``: no torch.compile, full graphs for decode only), the same on vLLM's V1
+  model runner, the one nnsight instruments (``v1``: bare vLLM 0.33 runs V2; each engine's runner is in
+  ``paired_split_config``), and the in-process engine's own generate, nothing captured (``own``).
+  ``paired_split_summary`` also has each step of the gap, per turn: ``x bare settings``, ``x settings
+  v1``, ``x v1 own`` (nnsight's runner and nnvllm's taps), ``x settings own``, ``x own in_process``
+  (the capture) and ``x in_process default`` (the isolation), and the same steps between the fastest
+  calls (``fastest x bare settings``...). (Runs recorded before the ``v1`` form had a ``trickle`` form
+  instead: ``nv.load(path)`` with its server started with ``NNVLLM_ONE_BATCH=0``.)
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -286,8 +287,10 @@ def _engine_config(llm) -> dict:
     overlaps a step's host work with the previous step's forward, and how the forward runs."""
     c = llm.llm_engine.vllm_config
     cc = c.compilation_config
+    runner = getattr(c, "use_v2_model_runner", None)  # (a property of vLLM 0.33's config)
     return {"async_scheduling": c.scheduler_config.async_scheduling, "compile_mode": str(cc.mode),
-            "cudagraph_mode": str(cc.cudagraph_mode), "executor": str(c.parallel_config.distributed_executor_backend)}
+            "cudagraph_mode": str(cc.cudagraph_mode), "executor": str(c.parallel_config.distributed_executor_backend),
+            "model_runner": None if runner is None else ("V2" if runner else "V1")}
 
 
 def _reported_config(model) -> dict:
@@ -412,19 +415,22 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         if split:  # vLLM with nnvllm's engine settings (no torch.compile, full graphs for decode only)
             settings = LLM(path, dtype="float16", gpu_memory_utilization=share,
                            compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
+            # The same on vLLM's V1 model runner, the one nnsight instruments (nnvllm's engines set
+            # VLLM_USE_V2_MODEL_RUNNER=0; bare vLLM 0.33 runs V2). The engine core takes the variable
+            # from this process's environment when it starts.
+            was = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            try:
+                v1 = LLM(path, dtype="float16", gpu_memory_utilization=share,
+                         compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
+            finally:
+                if was is None:
+                    del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+                else:
+                    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = was
         import nnvllm as nv
 
         iso = nv.load(path, dtype="float16", gpu_memory_utilization=share)
-        if split:  # the isolated engine letting a call's requests into the batch as they arrive
-            was = os.environ.get("NNVLLM_ONE_BATCH")
-            os.environ["NNVLLM_ONE_BATCH"] = "0"  # (read by the server, which takes this environment)
-            try:
-                trickle = nv.load(path, dtype="float16", gpu_memory_utilization=share)
-            finally:
-                if was is None:
-                    del os.environ["NNVLLM_ONE_BATCH"]
-                else:
-                    os.environ["NNVLLM_ONE_BATCH"] = was
         inproc = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=share)
         res[f"{name}_config"] = {"bare": _engine_config(bare), "in_process": _engine_config(inproc.llm),
                                  "isolated_is_isolated": bool(getattr(iso, "_nnvllm_isolated", False)),
@@ -432,11 +438,11 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         forms = {"bare": lambda: bare.generate(ps, sp, use_tqdm=False)}
         if split:
             res[f"{name}_config"]["settings"] = _engine_config(settings)
+            res[f"{name}_config"]["v1"] = _engine_config(v1)
             forms["settings"] = lambda: settings.generate(ps, sp, use_tqdm=False)
+            forms["v1"] = lambda: v1.generate(ps, sp, use_tqdm=False)
             forms["own"] = lambda: inproc.llm.generate(ps, sp, use_tqdm=False)  # nnvllm's engine, nothing kept
         forms["default"] = lambda: nv.generate(iso, ps, max_tokens=T, ignore_eos=True)
-        if split:
-            forms["trickle"] = lambda: nv.generate(trickle, ps, max_tokens=T, ignore_eos=True)
         forms["in_process"] = lambda: nv.generate(inproc, ps, max_tokens=T, ignore_eos=True)
         for fn in forms.values():
             fn()  # warm-up
@@ -444,7 +450,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
 
         labels = list(forms)
         times: dict[str, list[float]] = {label: [] for label in labels}
-        per_call: dict[str, list[dict]] = {label: [] for label in ("default", "trickle", "in_process") if label in forms}  # nnvllm's timings
+        per_call: dict[str, list[dict]] = {label: [] for label in ("default", "in_process") if label in forms}  # nnvllm's timings
         from nnvllm.engine.heap import gc_delta, gc_pauses
 
         bare_gc: list[dict] = []  # this process's collection pauses in each bare call (its client's)
@@ -476,16 +482,14 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                 # A shared host's noise only adds time, so the fastest calls come closest to each
                 # engine's own cost: steadier from run to run than the per-turn median on such a host.
                 summary[f"x bare fastest {label}"] = min(ts) / min(times["bare"])
-        if split:  # each step of the gap, per turn: settings, nnvllm's engine, the capture, the isolation
-            for a, b in (("settings", "bare"), ("own", "settings"), ("in_process", "own"), ("default", "in_process"),
-                         ("trickle", "default")):
+        if split:  # each step of the gap, per turn: settings, V1, nnvllm's engine, the capture, the isolation
+            for a, b in (("settings", "bare"), ("v1", "settings"), ("own", "v1"), ("own", "settings"),
+                         ("in_process", "own"), ("default", "in_process")):
                 summary[f"x {b} {a}"] = statistics.median(x / y for x, y in zip(times[a], times[b]))
                 summary[f"fastest x {b} {a}"] = min(times[a]) / min(times[b])
         res[f"{name}_summary"] = summary
         res[f"{name}_bare_gc"] = bare_gc
         iso.close()
-        if split:
-            trickle.close()
         inproc.close()
         return res
     if name in ("nv_split", "nv_split_profile", "nv_split_kernels"):
@@ -586,17 +590,18 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             return res
         # nnsight runs one worker per invoke, in Python, at every location it reads: its cost grows with
         # the prompts, the forward's does not; so batches of 1 and 8 prompts (and --prompts, once).
-        for k in (1, 8):
+        for k in dict.fromkeys((1, min(8, n))):
             res[f"{name}_{k}_generate"] = _timed(
                 lambda k=k: nv.generate(model, ps[:k], max_tokens=T, ignore_eos=True, logits=False), repeats)
             modes()
             res[f"{name}_{k}"] = _timed(lambda k=k: trace_run(k), repeats, snap=modes)
             res[f"{name}_{k}_logits_only"] = _timed(lambda k=k: logits_run(k), repeats, snap=modes)
-        res[f"{name}_{n}_generate"] = _timed(
-            lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False), 1)
-        modes()
-        res[f"{name}_{n}"] = _timed(lambda: trace_run(n), 0, snap=modes)
-        res[f"{name}_{n}"]["median"] = res[f"{name}_{n}"]["first"]
+        if n > 8:  # (at most 8: measured above, repeated)
+            res[f"{name}_{n}_generate"] = _timed(
+                lambda: nv.generate(model, ps, max_tokens=T, ignore_eos=True, logits=False), 1)
+            modes()
+            res[f"{name}_{n}"] = _timed(lambda: trace_run(n), 0, snap=modes)
+            res[f"{name}_{n}"]["median"] = res[f"{name}_{n}"]["first"]
         model.close()
         return res
     if name == "hf_nnsight":
@@ -818,7 +823,7 @@ def table(run: dict) -> str:
         calls = run.get("all", {})
         lines += ["| engine | seconds | x bare, per turn | 95% interval | spread | x bare, fastest calls |",
                   "|---|---|---|---|---|---|"]
-        for label in ("bare", "settings", "own", "default", "trickle", "in_process"):
+        for label in ("bare", "settings", "v1", "own", "default", "trickle", "in_process"):
             if f"spread {label}" in paired:
                 ratio, span, fastest = paired.get(f"x bare {label}", 1.0), "", ""
                 if f"{case}_{label}" in calls:
@@ -871,6 +876,9 @@ def _ratios(out: dict) -> None:
             g = s.get(k + "_generate")
             if isinstance(g, float):
                 r[f"trace / generate {k}"] = v / g
+                a, b = out.get("all", {}).get(k), out.get("all", {}).get(k + "_generate")
+                if a and b:
+                    r[f"trace / generate, fastest calls {k}"] = min(a) / min(b)
     for c in ("nv_steer", "nv_steer_eager"):
         for label in ("tokens", "all"):
             a, b = s.get(f"{c}_{label}_steered"), s.get(f"{c}_{label}")

@@ -30,6 +30,11 @@
 #                trace               capture_gpu.py, an nnsight trace of every block's output against nv.generate
 #                                    (1, 8, 64 prompts; docs/capture.md, "nnsight traces on a graph engine")
 #                trace_isolated      capture_gpu.py, the same trace on an isolated engine (nv.load's default)
+#                ab                  capture_gpu.py's AB_CASES (default nv_trace; 1 and 8 prompts, 5 calls each) with
+#                                    nnvllm from AB_BASE, a folder holding another version's nnvllm/ package (made
+#                                    here: git archive <commit> nnvllm | tar -x -C ab/base), and from this tree, in
+#                                    turns, AB_ROUNDS (default 2) of each, one process per run: runs ab_base1,
+#                                    ab_head1... in ab.json (their "code" is this tree's; the names tell the side)
 #                trace_profile       capture_gpu.py, the 8-prompt trace under cProfile, worker included
 #                defaults            capture_gpu.py, nv.load's defaults against bare vLLM, 12 calls each
 #                                    (docs/capture.md, "What it costs")
@@ -259,6 +264,20 @@ bench() {
                 --timeout 400 --root $root --cases paired ;;
       paired_split) bench_item "$item" $c --name llama1b_paired_split --shape llama1b --prompts 64 --tokens 128 \
                       --repeats ${BENCH_TURNS:-24} --timeout 560 --root $root --cases paired_split ;;
+      ab)  # a case with nnvllm from AB_BASE and from this tree, in turns (see the header)
+        if [ ! -d "${AB_BASE:-}/nnvllm" ]; then
+          echo "bench ab: AB_BASE must be a folder holding an nnvllm/ package (git archive <commit> nnvllm | tar -x -C <folder>)" >&2
+          note bench_ab 2 0; continue
+        fi
+        local r side pp base_dir
+        base_dir="$(cd "$AB_BASE" && pwd)"
+        for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+          for side in base head; do
+            pp="$PYTHONPATH"; [ "$side" = base ] && pp="$base_dir:$PYTHONPATH"
+            bench_item "ab_$side$r" env PYTHONPATH="$pp" $c --name "ab_$side$r" --shape llama1b --prompts 8 --tokens 128 \
+              --repeats 5 --timeout 170 --root $root --cases "${AB_CASES:-nv_trace}" --out "$NNVLLM_RESULTS/ab.json"
+          done
+        done ;;
       kernels) bench_item "$item" $c --name llama1b_kernels --shape llama1b --prompts 64 --tokens 128 \
                  --timeout 300 --root $root --cases ${BENCH_CASES:-bare_kernels,bare_nocompile_kernels,nv_split_kernels} ;;
       host) bench_item "$item" $c --name llama1b_host --shape llama1b --prompts 64 --tokens 128 \

@@ -139,8 +139,9 @@ def test_the_paired_cost_table_in_docs_capture_is_its_recorded_run():
     assert (f"the in-process capture took {summary['x own in_process']:.2f}x the same engine's own generate, and "
             f"the isolated one {summary['x in_process default']:.2f}x the in-process capture") in flat
     assert _fastest_steps(run["all"], "paired_split") == [1.03, 1.05, 1.09, 1.04, 1.22]
-    assert ("The fastest calls tell the steps apart: 1.03x for the settings, 1.05x more for nnsight's runner, "
-            "1.09x more for the capture and 1.04x more for the isolation, 1.22x in all.") in flat
+    assert ("The fastest calls tell the steps apart: 1.03x for the settings, 1.05x more for nnvllm's engine with "
+            "nothing captured (nnsight's runner, nnvllm's taps), 1.09x more for the capture and 1.04x more for "
+            "the isolation, 1.22x in all.") in flat
     calls = run["per_call"]["paired_split_in_process"]
     med = {k: statistics.median(c[k] for c in calls) for k in ("client_generate", "client_collect", "handover_copy")}
     built = statistics.median(c["client_request"] + c["client_assemble"] for c in calls)
@@ -239,7 +240,7 @@ def test_the_paired_split_sentence_in_docs_capture_is_its_recorded_run():
     steps = _fastest_steps(r["all"], "paired_split")
     in_process = round(min(r["all"]["paired_split_in_process"]) / min(r["all"]["paired_split_bare"]), 2)
     assert (f"`nv.load(path)` {steps[4]:.2f}x and `nv.load(path, isolate=False)` {in_process:.2f}x bare vLLM's "
-            f"fastest; the settings {steps[0]:.2f}x, nnsight's runner {steps[1]:.2f}x more, the capture "
+            f"fastest; the settings {steps[0]:.2f}x, nnvllm's engine with nothing captured {steps[1]:.2f}x more, the capture "
             f"{steps[2]:.2f}x more, the isolation {steps[3]:.2f}x more") in flat, (steps, in_process)
     adds = statistics.median(c["client_server_add"] for c in r["per_call"]["paired_split_default"])
     assert f"adds a call's 64 requests in {adds:.3f} s (median)" in flat, adds
