@@ -238,6 +238,11 @@ def test_the_paired_split_sentence_in_docs_capture_is_its_recorded_run():
             f"generate {summary['x bare own']:.2f}x; the in-process capture took {summary['x own in_process']:.2f}x "
             f"that own generate, and the isolated one {summary['x in_process default']:.2f}x the in-process capture") in flat
     steps = _fastest_steps(r["all"], "paired_split")
+    h200 = _fastest_steps(json.loads((root / "benchmarks" / "results" / "capture_gpu_h200.json").read_text())
+                          ["runs"]["llama1b_paired_split"]["all"], "paired_split")
+    assert (f"{h200[4]:.2f}x on the H200 and {steps[4]:.2f}x on the H100, between each engine's fastest calls"
+            in flat and f"The capture is the largest share of that ({h200[2]:.2f}x and {steps[2]:.2f}x" in flat
+            and max(h200[:4]) == h200[2] and max(steps[:4]) == steps[2]), (h200, steps)
     in_process = round(min(r["all"]["paired_split_in_process"]) / min(r["all"]["paired_split_bare"]), 2)
     assert (f"`nv.load(path)` {steps[4]:.2f}x and `nv.load(path, isolate=False)` {in_process:.2f}x bare vLLM's "
             f"fastest; the settings {steps[0]:.2f}x, nnvllm's engine with nothing captured {steps[1]:.2f}x more, the capture "
