@@ -248,7 +248,7 @@ bench() {
         bench_item "$item" $c --name "$item" --shape "$shape" "$@" --timeout 150 --root $root --cases "$cases" ;;
       steer) bench_item "$item" $c --name llama1b_steer --shape llama1b --prompts 64 --tokens 128 \
                --timeout 200 --root $root --cases nv_steer,nv_steer_eager ;;
-      trace) bench_item "$item" $c --name llama1b_trace_seams --shape llama1b --prompts 64 --tokens 128 --repeats 3 \
+      trace) bench_item "$item" $c --name llama1b_trace_seams --shape llama1b --prompts 64 --tokens 128 --repeats 5 \
                --timeout 230 --root $root --cases nv_trace ;;
       trace_isolated) bench_item "$item" $c --name llama1b_trace_isolated --shape llama1b --prompts 64 --tokens 128 \
                         --repeats 3 --timeout 230 --root $root --cases nv_trace_isolated ;;
@@ -269,13 +269,14 @@ bench() {
           echo "bench ab: AB_BASE must be a folder holding an nnvllm/ package (git archive <commit> nnvllm | tar -x -C <folder>)" >&2
           note bench_ab 2 0; continue
         fi
-        local r side pp base_dir
+        local r side pp base_dir limit=300  # (the first engine start on a fresh machine took over 160 s)
         base_dir="$(cd "$AB_BASE" && pwd)"
         for r in $(seq 1 "${AB_ROUNDS:-2}"); do
           for side in base head; do
             pp="$PYTHONPATH"; [ "$side" = base ] && pp="$base_dir:$PYTHONPATH"
             bench_item "ab_$side$r" env PYTHONPATH="$pp" $c --name "ab_$side$r" --shape llama1b --prompts 8 --tokens 128 \
-              --repeats 5 --timeout 170 --root $root --cases "${AB_CASES:-nv_trace}" --out "$NNVLLM_RESULTS/ab.json"
+              --repeats 5 --timeout $limit --root $root --cases "${AB_CASES:-nv_trace}" --out "$NNVLLM_RESULTS/ab.json"
+            limit=170
           done
         done ;;
       kernels) bench_item "$item" $c --name llama1b_kernels --shape llama1b --prompts 64 --tokens 128 \
