@@ -48,7 +48,8 @@ def test_the_server_ends_itself_when_the_process_that_started_it_is_gone():
 @pytest.mark.slow
 def test_models_in_a_row_give_their_memory_back(toy_path, tiny_paths):
     """Load two isolated engines (two models) one after the other, one closed with ``close()``, one by
-    its ``with`` block: RSS (this process + children) is back. After the first close, the RSS may stay
+    its ``with`` block: RSS (this process + children) is back, and the engine's folder (with vLLM's
+    sockets in it) is gone. After the first close, the RSS may stay
     at most 30 MiB above where it was: a leak of 40 MiB per engine fails at the second load (measured:
     0-1 MiB per later load on CPU, docs/engines.md). Three loads with a 75 MiB limit would catch the same
     leak only at the third; each load fewer saves ~45 s of the suite's 2-core CPU time."""
@@ -63,11 +64,14 @@ def test_models_in_a_row_give_their_memory_back(toy_path, tiny_paths):
             model = nv.load(path, isolate=True, **engine_kwargs(1))
             peak = _tree_rss()
             run = nv.generate(model, CLEAN, max_tokens=2, layers=[0, -1])
+            folder = _sockets_in_its_folder(model)
             model.close()
         else:
             with nv.load(path, isolate=True, **engine_kwargs(1)) as model:
                 peak = _tree_rss()
                 run = nv.generate(model, CLEAN, max_tokens=2, layers=[0, -1])
+                folder = _sockets_in_its_folder(model)
+        assert not folder.exists()  # vLLM's sockets went with the engine's folder
         ref = refs[path]
         assert run.tokens == ref.tokens and (run.resid[0] - ref.resid[0]).abs().max() < 1e-3
         with pytest.raises(RuntimeError, match="closed"):
@@ -89,6 +93,16 @@ def test_models_in_a_row_give_their_memory_back(toy_path, tiny_paths):
             base = after
     print("RSS above baseline (MiB) while loaded / after close:",
           [(round(p / 2**20), round(a / 2**20)) for p, a in seen])
+
+
+def _sockets_in_its_folder(model):
+    """The engine's own folder, once it holds vLLM's ZMQ sockets (files, which a killed group leaves
+    wherever they are: in the temporary folder, one engine after another, without this)."""
+    import stat
+
+    folder = model._server.dir
+    assert [f for f in folder.iterdir() if stat.S_ISSOCK(f.stat().st_mode)], sorted(folder.iterdir())
+    return folder
 
 
 def test_a_start_that_hangs_times_out_with_the_log_tail(toy_path):

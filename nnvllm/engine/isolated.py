@@ -436,9 +436,7 @@ class IsolatedMixin:
         if self._server is not None:
             self._server.end()
             if self._dead is None:  # keep the log of an engine that died, for the message
-                for f in self._server.dir.iterdir():
-                    f.unlink(missing_ok=True)
-                self._server.dir.rmdir()
+                shutil.rmtree(self._server.dir, ignore_errors=True)  # (its log, port file and vLLM's sockets)
             self._server = None
 
     def close(self) -> None:

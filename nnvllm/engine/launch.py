@@ -56,7 +56,7 @@ def _describe_exit(rc: int) -> str:
 
 
 # This process's folders in the temporary directory, named with its pid: an isolated engine's
-# (its log and port file) and a URL attach's (the engine's config and tokenizer).
+# (its log, port file and vLLM's sockets) and a URL attach's (the engine's config and tokenizer).
 ENGINE_DIR, REMOTE_DIR = "nnvllm-engine-", "nnvllm-remote-"
 
 
@@ -102,6 +102,11 @@ class _Server:
         # An in-process engine of this process may have set these for itself (nnvllm.engine sets them
         # in os.environ); the server sets its own for its tensor-parallel size.
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        # vLLM's ZMQ sockets between its processes are files (``VLLM_RPC_BASE_PATH``, the temporary
+        # folder by default), which a group ended by SIGKILL (end()) never removes: in this engine's
+        # folder they go with it. (A socket's path holds at most 107 bytes: the folder, "/", a uuid.)
+        if "VLLM_RPC_BASE_PATH" not in env and len(str(self.dir)) + 37 <= 107:
+            env["VLLM_RPC_BASE_PATH"] = str(self.dir)
         tp = int(engine_args.get("tensor_parallel_size", 1))
         if len(env.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|")) != tp:
             env.pop("VLLM_CPU_OMP_THREADS_BIND", None)

@@ -47,7 +47,7 @@ def _watch_parent(pid: int, owned_dir: str | None = None) -> None:
 
     What the engine made goes with it, since its client cannot clean up any more: the hand-off files
     of the group's processes in shared memory (at once, after the engine's shutdown, and before the
-    last kill) and ``owned_dir``, the client's folder for this engine (its log and port file).
+    last kill) and ``owned_dir``, the client's folder for this engine (its log, port file and vLLM's sockets).
     """
     import psutil
 
