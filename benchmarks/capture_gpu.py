@@ -287,7 +287,9 @@ def _engine_config(llm) -> dict:
     overlaps a step's host work with the previous step's forward, and how the forward runs."""
     c = llm.llm_engine.vllm_config
     cc = c.compilation_config
-    runner = getattr(c, "use_v2_model_runner", None)  # (a property of vLLM 0.33's config)
+    # (a property of vLLM 0.33's config, read from the environment when asked: right for the engine
+    # core only while the environment is what it was when the core started)
+    runner = getattr(c, "use_v2_model_runner", None)
     return {"async_scheduling": c.scheduler_config.async_scheduling, "compile_mode": str(cc.mode),
             "cudagraph_mode": str(cc.cudagraph_mode), "executor": str(c.parallel_config.distributed_executor_backend),
             "model_runner": None if runner is None else ("V2" if runner else "V1")}
@@ -410,11 +412,15 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
 
         split = name == "paired_split"
         share = 0.16 if split else 0.28
+        # Each engine's config is read as it is built: vLLM's config tells the model runner from this
+        # process's environment when asked, and the variable changes below and when nnsight is imported.
         bare = LLM(path, dtype="float16", gpu_memory_utilization=share)
+        configs = {"bare": _engine_config(bare)}
         sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
         if split:  # vLLM with nnvllm's engine settings (no torch.compile, full graphs for decode only)
             settings = LLM(path, dtype="float16", gpu_memory_utilization=share,
                            compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
+            configs["settings"] = _engine_config(settings)
             # The same on vLLM's V1 model runner, the one nnsight instruments (nnvllm's engines set
             # VLLM_USE_V2_MODEL_RUNNER=0; bare vLLM 0.33 runs V2). The engine core takes the variable
             # from this process's environment when it starts.
@@ -423,6 +429,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             try:
                 v1 = LLM(path, dtype="float16", gpu_memory_utilization=share,
                          compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
+                configs["v1"] = _engine_config(v1)
             finally:
                 if was is None:
                     del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
@@ -432,13 +439,11 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
 
         iso = nv.load(path, dtype="float16", gpu_memory_utilization=share)
         inproc = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=share)
-        res[f"{name}_config"] = {"bare": _engine_config(bare), "in_process": _engine_config(inproc.llm),
+        res[f"{name}_config"] = {**configs, "in_process": _engine_config(inproc.llm),
                                  "isolated_is_isolated": bool(getattr(iso, "_nnvllm_isolated", False)),
                                  "isolated": _reported_config(iso)}
         forms = {"bare": lambda: bare.generate(ps, sp, use_tqdm=False)}
         if split:
-            res[f"{name}_config"]["settings"] = _engine_config(settings)
-            res[f"{name}_config"]["v1"] = _engine_config(v1)
             forms["settings"] = lambda: settings.generate(ps, sp, use_tqdm=False)
             forms["v1"] = lambda: v1.generate(ps, sp, use_tqdm=False)
             forms["own"] = lambda: inproc.llm.generate(ps, sp, use_tqdm=False)  # nnvllm's engine, nothing kept

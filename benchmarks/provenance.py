@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -67,10 +68,14 @@ def commit() -> str:
 
 
 def code_hash() -> str:
-    """First 12 hex digits of the sha256 of ``nnvllm/``'s Python sources, in path order."""
+    """First 12 hex digits of the sha256 of the Python sources of the ``nnvllm`` package that this
+    interpreter imports (``PYTHONPATH`` first, as for a run of another version's package beside
+    this tree; this tree's ``nnvllm/`` when none is importable), in path order."""
+    spec = importlib.util.find_spec("nnvllm")  # (a top-level package: found, not imported)
+    pkg = Path(spec.origin).parent if spec is not None and spec.origin else ROOT / "nnvllm"
     h = hashlib.sha256()
-    for p in sorted((ROOT / "nnvllm").rglob("*.py")):
-        h.update(str(p.relative_to(ROOT)).encode())
+    for p in sorted(pkg.rglob("*.py")):
+        h.update(str(p.relative_to(pkg.parent)).encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:12]
 

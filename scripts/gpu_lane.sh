@@ -30,11 +30,12 @@
 #                trace               capture_gpu.py, an nnsight trace of every block's output against nv.generate
 #                                    (1, 8, 64 prompts; docs/capture.md, "nnsight traces on a graph engine")
 #                trace_isolated      capture_gpu.py, the same trace on an isolated engine (nv.load's default)
-#                ab                  capture_gpu.py's AB_CASES (default nv_trace; 1 and 8 prompts, 5 calls each) with
-#                                    nnvllm from AB_BASE, a folder holding another version's nnvllm/ package (made
-#                                    here: git archive <commit> nnvllm | tar -x -C ab/base), and from this tree, in
-#                                    turns, AB_ROUNDS (default 2) of each, one process per run: runs ab_base1,
-#                                    ab_head1... in ab.json (their "code" is this tree's; the names tell the side)
+#                ab                  capture_gpu.py's AB_CASES (default nv_trace; 1 and AB_PROMPTS prompts, default
+#                                    8, 5 calls each) with nnvllm from AB_BASE, a folder holding another version's
+#                                    nnvllm/ package (made here: git archive <commit> nnvllm | tar -x -C ab/base),
+#                                    and from this tree, in turns, AB_ROUNDS (default 2) of each, one process per
+#                                    run: runs ab_base1, ab_head1... in ab.json, each with the code hash of the
+#                                    package it imported
 #                trace_profile       capture_gpu.py, the 8-prompt trace under cProfile, worker included
 #                defaults            capture_gpu.py, nv.load's defaults against bare vLLM, 12 calls each
 #                                    (docs/capture.md, "What it costs")
@@ -274,7 +275,7 @@ bench() {
         for r in $(seq 1 "${AB_ROUNDS:-2}"); do
           for side in base head; do
             pp="$PYTHONPATH"; [ "$side" = base ] && pp="$base_dir:$PYTHONPATH"
-            bench_item "ab_$side$r" env PYTHONPATH="$pp" $c --name "ab_$side$r" --shape llama1b --prompts 8 --tokens 128 \
+            bench_item "ab_$side$r" env PYTHONPATH="$pp" $c --name "ab_$side$r" --shape llama1b --prompts "${AB_PROMPTS:-8}" --tokens 128 \
               --repeats 5 --timeout $limit --root $root --cases "${AB_CASES:-nv_trace}" --out "$NNVLLM_RESULTS/ab.json"
             limit=170
           done
