@@ -133,7 +133,7 @@ class _Capture:
         self.shm = _ShmFiles(taps.device) if files and self.keep else None
         # files of the client's dropped Runs, ready again (see _Spares); the client hears which
         self.taken_back = _SPARES.take_back(spec.get("returned")) if files else []
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, float] = {"files_taken_back": len(self.taken_back)} if files else {}
         self.gc0 = gc_pauses()  # this process's collection pauses until the hand-off (benchmarks)
         self.stats = {"rows": 0, "partial_prefills": 0, "prompt_token_steps": 0, "steps": 0, "batch_changes": 0,
                       "eager": bool(self.need_eager)}
