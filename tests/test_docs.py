@@ -254,6 +254,9 @@ def test_the_h100_paired_split_table_in_docs_capture_is_its_recorded_run():
     assert {cfg[f]["cudagraph_mode"] for f in ("in_process", "settings", "v1")} == {"FULL_DECODE_ONLY"}
     adds = statistics.median(c["client_server_add"] for c in r["per_call"]["paired_split_default"])
     assert f"adds the call's 64 requests in {adds:.3f} s (median)" in flat, adds
+    gens = [statistics.median(c[k] for c in r["per_call"][f"paired_split_{f}"])
+            for f, k in (("default", "client_server_generate"), ("in_process", "client_generate"))]
+    assert f"generation took {gens[0]:.3f} s against the in-process engine's {gens[1]:.3f} s (medians)" in flat, gens
     summary = s["paired_split_summary"]
     assert (f"Every call of `nv.load(path)` was within {100 * summary['spread default']:.0f}% of its median, and of "
             f"`nv.load(path, isolate=False)` within {100 * summary['spread in_process']:.0f}%") in flat
