@@ -196,6 +196,7 @@ class _ShmFiles:
         if timings is not None:
             for k, v in f.prep.items():
                 timings[f"file_{k}"] = timings.get(f"file_{k}", 0.0) + v
+            timings["files"] = timings.get("files", 0) + 1
             timings["files_ready"] = timings.get("files_ready", 0) + int(ready)
             timings["files_spare"] = timings.get("files_spare", 0) + int(f.spare)
         return f
