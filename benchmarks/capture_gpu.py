@@ -102,8 +102,7 @@ batch, then the median of ``--repeats``):
   ``paired_split_summary`` also has each step of the gap, per turn: ``x bare settings``, ``x settings
   v1``, ``x v1 own`` (nnsight's runner and nnvllm's taps), ``x settings own``, ``x own in_process``
   (the capture) and ``x in_process default`` (the isolation), and the same steps between the fastest
-  calls (``fastest x bare settings``...). (Runs recorded before the ``v1`` form had a ``trickle`` form
-  instead: ``nv.load(path)`` with its server started with ``NNVLLM_ONE_BATCH=0``.)
+  calls (``fastest x bare settings``...).
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -418,8 +417,8 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         configs = {"bare": _engine_config(bare)}
         sp = SamplingParams(max_tokens=T, temperature=0.0, ignore_eos=True)
         if split:  # vLLM with nnvllm's engine settings (no torch.compile, full graphs for decode only)
-            settings = LLM(path, dtype="float16", gpu_memory_utilization=share,
-                           compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
+            nnvllm_settings = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+            settings = LLM(path, dtype="float16", gpu_memory_utilization=share, compilation_config=nnvllm_settings)
             configs["settings"] = _engine_config(settings)
             # The same on vLLM's V1 model runner, the one nnsight instruments (nnvllm's engines set
             # VLLM_USE_V2_MODEL_RUNNER=0; bare vLLM 0.33 runs V2). The engine core takes the variable
@@ -427,8 +426,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             was = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
             try:
-                v1 = LLM(path, dtype="float16", gpu_memory_utilization=share,
-                         compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
+                v1 = LLM(path, dtype="float16", gpu_memory_utilization=share, compilation_config=nnvllm_settings)
                 configs["v1"] = _engine_config(v1)
             finally:
                 if was is None:
@@ -828,7 +826,7 @@ def table(run: dict) -> str:
         calls = run.get("all", {})
         lines += ["| engine | seconds | x bare, per turn | 95% interval | spread | x bare, fastest calls |",
                   "|---|---|---|---|---|---|"]
-        for label in ("bare", "settings", "v1", "own", "default", "trickle", "in_process"):
+        for label in ("bare", "settings", "v1", "own", "default", "in_process"):
             if f"spread {label}" in paired:
                 ratio, span, fastest = paired.get(f"x bare {label}", 1.0), "", ""
                 if f"{case}_{label}" in calls:
