@@ -109,6 +109,28 @@ def _modes(model) -> dict:
     return model.llm.collective_rpc("nnvllm_step_modes", kwargs={"reset": True})[0]
 
 
+def _trace_logits(model, prompts, steps):
+    """Per prompt: its logits at every step ``[step, vocab]``, read in a trace (nothing inside the forward)."""
+    with model.trace(temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+        for p in prompts:
+            with tracer.invoke(p):
+                got = list().save()
+                for _ in tracer.iter[:steps]:
+                    got.append(model.logits.clone().cpu())
+    got = got if isinstance(got[0], list) else [got]  # (one invoke: its list itself)
+    return [torch.cat(g) for g in got]
+
+
+def _logits_then_block(model, steps, switch=3):
+    """A trace that reads the logits in its first ``switch`` steps and block 1's output after them."""
+    h = model.transformer.h
+    with model.trace(PROMPTS[0], temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+        got = list().save()
+        for step in tracer.iter[:steps]:
+            got.append((model.logits if step < switch else h[1].output).clone().cpu())
+    return got
+
+
 def _traces(toy_path, graphs: bool) -> dict:
     model = nv.load(toy_path, isolate=False, dtype="float32", gpu_memory_utilization=0.3,
                     kv_cache_memory_bytes=1 << 30, cuda_graphs=graphs)
@@ -122,6 +144,7 @@ def _traces(toy_path, graphs: bool) -> dict:
                          ("edit", lambda: _trace_every_step(model, PROMPTS, T, edit=edit)),
                          ("inplace", lambda: _trace_every_step(model, PROMPTS, T, edit=edit, inplace=True)),
                          ("mlp", lambda: _trace_every_step(model, PROMPTS, T, site="mlp")), ("late", lambda: _late_read(model, T)),
+                         ("logits", lambda: _trace_logits(model, PROMPTS, T)), ("switch", lambda: _logits_then_block(model, T)),
                          ("generate", lambda: nv.generate(model, PROMPTS * 8, max_tokens=T, ignore_eos=True))):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
@@ -143,7 +166,7 @@ def test_a_trace_of_the_blocks_outputs_replays_graph_pieces_and_reads_and_edits_
     e = _traces(toy_path, graphs=False)
     print("step modes on the graph engine:", {k: g[k] for k in g if k.endswith("_modes")})
     assert g["read_modes"]["pieces_recorded"], "the graph engine recorded no graph pieces"
-    for what in ("read", "kept", "edit", "inplace", "mlp", "generate"):
+    for what in ("read", "kept", "edit", "inplace", "mlp", "logits", "switch", "generate"):
         for run in (g, e):
             assert not isinstance(run[what], Exception), (what, run[what])
     # Reads, swaps and in-place edits at the blocks' outputs: every decode step of the trace replayed
@@ -168,6 +191,16 @@ def test_a_trace_of_the_blocks_outputs_replays_graph_pieces_and_reads_and_edits_
     # A read inside the forward first asked for in a step in pieces is refused, not served from a later step.
     assert isinstance(g["late"], Exception) and "in pieces" in str(g["late"]), g["late"]
     assert not isinstance(e["late"], Exception) and len(e["late"]) == 1  # an eager engine serves it
+    # A trace that waits only after the forward (the logits) replays the whole graph in its decode
+    # steps; one that goes on to a block's output replays the pieces from that step on; the values are
+    # the eager engine's, and the notices say nothing.
+    m = g["logits_modes"]
+    assert m.get("graphs", 0) >= T - 1 and not m.get("pieces") and m.get("eager", 0) <= 2, m
+    m = g["switch_modes"]
+    assert m.get("graphs", 0) >= 2 and m.get("pieces", 0) >= T - 3 and m.get("eager", 0) <= 1, m
+    assert max(_gap(a, b) for a, b in zip(g["logits"], e["logits"])) < REL
+    assert len(g["switch"]) == len(e["switch"]) == T and max(_gap(a, b) for a, b in zip(g["switch"], e["switch"])) < REL
+    assert not any(g[w + "_notices"] for w in ("logits", "switch")), g
     # nv.generate afterwards: whole graphs again, the same numbers as on the eager engine.
     assert g["generate_modes"].get("graphs", 0) >= T - 1 and not g["generate_modes"].get("pieces"), g["generate_modes"]
     assert g["generate"].tokens == e["generate"].tokens

@@ -11,9 +11,10 @@ FULL while they are recorded, so vLLM's attention is recorded inside the pieces,
 graph, and the seams are the blocks' outputs only. Each decode step then runs
 
 - its **whole graph** when no trace is in it (``nv.generate``, ``nv.collect``: nnvllm's own taps
-  are recorded inside both recordings);
+  are recorded inside both recordings), and when every trace in it waits outside the model's
+  forward (``model.logits``, ``model.samples``, the result): nothing inside the forward is served;
 - its **graph in pieces** when every trace in it waits only at block outputs (or outside the
-  model's forward: logits, samples): the trace is served at the seams, reads and edits alike;
+  forward): the trace is served at the seams, reads and edits alike;
 - **eagerly** when a trace waits anywhere else (a submodule, a block's input, an operation inside
   a forward, a ``tracer.cache()`` of such places), when ``model.edit`` is installed, or when an
   nnvllm capture needs it (non-additive edits, sites not recorded in the graphs).
@@ -21,8 +22,9 @@ graph, and the seams are the blocks' outputs only. Each decode step then runs
 Prefill and mixed steps run eagerly (the engine records decode graphs only).
 
 nnsight counts the visits of every location to match a trace's ``tracer.iter`` step to the model's.
-A step in pieces visits only the seams, so after it the locations inside the forward that it did
-not visit are counted as an eager step would have (:meth:`StepPlan.finish`). A trace that, in such a
+A step in pieces visits only the seams, and a traced step on the whole graph none, so after it the
+locations inside the forward that it did not visit are counted as an eager step would have
+(:meth:`StepPlan.finish`). A trace that, in such a
 step, went on from a seam to a location inside the forward missed it; it ends with an error that
 says so (its first step and any step where it waits there at the start run eagerly).
 
@@ -253,6 +255,12 @@ class StepPlan:
         for p in il.observers:
             if il.off_seams(p):
                 return EAGER, f"a tracer.cache() keeps {p}, inside the forward, not a block's output"
+        # Every trace waits after the forward (a trace of the logits or samples alone): the whole graph,
+        # once an eager traced step has shown which locations a forward visits (a trace's first step,
+        # its prefill, is one), since finish counts them.
+        if (il.graph_taps <= self.per_step.keys() and not any(p in il.graph_taps for p in il.observers)
+                and all(_after_forward(il, m.pending) for m in il.mediators)):
+            return GRAPHS, None
         return PIECES, None
 
     def _note(self, why: str) -> None:
@@ -298,18 +306,29 @@ class StepPlan:
         counts = il.counts
         if mode == EAGER:
             self.per_step = {p: n - before.get(p, 0) for p, n in counts.items()
-                             if n != before.get(p, 0) and il.off_seams(p)}
+                             if n != before.get(p, 0) and (p in il.graph_taps or il.off_seams(p))}
             return
-        if mode != PIECES:
+        if mode not in (PIECES, GRAPHS):
             return
-        for p, d in self.per_step.items():
+        for p, d in self.per_step.items():  # (a step in pieces has counted its seams itself)
             if counts.get(p, 0) == before.get(p, 0):
                 counts[p] = counts.get(p, 0) + d
+        if mode != PIECES:
+            return  # (the whole graph: every trace waited after the forward, and missed nothing inside it)
         for m in list(il.mediators):
             p = m.pending
             if (p is not None and p.provider is not None and p.iteration is not None
                     and il.off_seams(p.provider) and p.iteration < m.occurrence(p.provider)):
                 _missed(m, p.provider)
+
+
+def _after_forward(il: Any, pending: Any) -> bool:
+    """Whether a trace's ``pending`` request (None: it has none) waits after the model's forward (the
+    logits, the samples, the result) or nowhere."""
+    if pending is None:
+        return True
+    where = pending.provider
+    return where is not None and where not in il.graph_taps and not il.off_seams(where)
 
 
 def _missed(mediator: Any, provider: str) -> None:
