@@ -61,7 +61,7 @@ batch, then the median of ``--repeats``):
   too, as every traced step does); ``per_call`` has each call's step modes.
 - ``nv_trace_isolated``: the ``nv_trace`` case on an isolated engine (``isolate=True``, nv.load's
   default on a GPU), without the step modes.
-- ``nv_trace_profile``: the ``nv_trace`` case's 8-prompt calls (``nv.generate``, the trace, the
+- ``nv_trace_profile``: the ``nv_trace`` case's 1- and 8-prompt calls (``nv.generate``, the trace, the
   logits-only trace) once each under cProfile, with the engine core in the case's process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profile sees the worker: seconds (profiler on) and
   the 30 costliest functions by own and by cumulative time.
@@ -584,11 +584,12 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                             steps.append(model.logits.argmax(-1))
             return steps
 
-        if name == "nv_trace_profile":  # 8 prompts: nv.generate, the trace, the logits-only trace
-            for label, fn in (("generate", lambda: nv.generate(model, ps[:8], max_tokens=T, ignore_eos=True,
-                                                                logits=False)),
-                              ("trace", lambda: trace_run(8)), ("logits_only", lambda: logits_run(8))):
-                res[f"{name}_8_{label}"] = _profiled(fn)
+        if name == "nv_trace_profile":  # 1 and 8 prompts: nv.generate, the trace, the logits-only trace
+            for k in (1, 8):
+                for label, fn in (("generate", lambda k=k: nv.generate(model, ps[:k], max_tokens=T,
+                                                                        ignore_eos=True, logits=False)),
+                                  ("trace", lambda k=k: trace_run(k)), ("logits_only", lambda k=k: logits_run(k))):
+                    res[f"{name}_{k}_{label}"] = _profiled(fn)
             model.close()
             return res
         # nnsight runs one worker per invoke, in Python, at every location it reads: its cost grows with

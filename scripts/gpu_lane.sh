@@ -36,7 +36,7 @@
 #                                    and from this tree, in turns, AB_ROUNDS (default 2) of each, one process per
 #                                    run: runs ab_base1, ab_head1... in ab.json, each with the code hash of the
 #                                    package it imported
-#                trace_profile       capture_gpu.py, the 8-prompt trace under cProfile, worker included
+#                trace_profile       capture_gpu.py, the 1- and 8-prompt trace under cProfile, worker included
 #                defaults            capture_gpu.py, nv.load's defaults against bare vLLM, 12 calls each
 #                                    (docs/capture.md, "What it costs")
 #                graphsites          capture_gpu.py, what the graphs' copies of every site cost against the
