@@ -24,7 +24,8 @@ import torch
 from ..heap import gc_delta, gc_pauses
 from .crosshost import sees_client
 from .features import _Features
-from .handoff import _SPARES, _handover, _ShmFiles, made_since_last_call
+from .handoff import _SPARES, _handover, _handover_mode, _ShmFiles, made_since_last_call
+from .mirror import _Mirror
 from .taps import _HEAD_SITES, _Taps, _prompt_len
 
 
@@ -134,6 +135,9 @@ class _Capture:
         # files of the client's dropped Runs, ready again (see _Spares); the client hears which
         self.taken_back = _SPARES.take_back(spec.get("returned")) if files else []
         self.timings: dict[str, float] = {"files_taken_back": len(self.taken_back)} if files else {}
+        # the sites' rows also written into their files as the steps place them (NNVLLM_HANDOVER=mirror)
+        self.mirror = (_Mirror(self.shm, self.sites, taps.device, self.timings)
+                       if self.shm is not None and _handover_mode() == "mirror" else None)
         self.gc0 = gc_pauses()  # this process's collection pauses until the hand-off (benchmarks)
         self.stats = {"rows": 0, "partial_prefills": 0, "prompt_token_steps": 0, "steps": 0, "batch_changes": 0,
                       "eager": bool(self.need_eager)}
@@ -324,6 +328,8 @@ class _Capture:
                 if src_rows is not None:
                     src = src.index_select(1, src_rows)
                 arena[s].index_copy_(1, dst, src)
+            if self.mirror is not None:
+                self.mirror.placed(int(k), dst, arena)
             # The logits row of each request: its last scheduled token's position.
             lg = runner.execute_model_state.logits if runner.execute_model_state is not None else None
             if lg is None or arena["_logits"].shape[1] == 1:
@@ -368,6 +374,8 @@ class _Capture:
             if self.layer_idx is not None:
                 src = src.index_select(0, self.layer_idx)
             arena[s].index_copy_(1, dst, src)
+        if self.mirror is not None:
+            self.mirror.placed(int(self.arenas_here[0]), dst, arena)
         if not keep_logits:
             return
         if ldst is None:
@@ -455,8 +463,9 @@ class _Capture:
             if self.logits:
                 tensors["_logits"] = arena["_logits"][:used_steps]
             t0 = _now(dev)
+            filled = self.mirror.finish(arena, used_rows) if self.mirror is not None and k == 0 else None
             out["arenas"].append(_handover(tensors, self.direct, self.shm, self.timings,
-                                           inline=self.inline))
+                                           inline=self.inline, filled=filled))
             self.timings["handover"] = self.timings.get("handover", 0.0) + _now(dev) - t0
         if any(s in _HEAD_SITES for s in self.sites):  # for the Run's meta: what Run.attention rebuilds with
             out["meta"] = {"attention": t.heads["spec"]}

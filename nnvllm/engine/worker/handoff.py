@@ -153,12 +153,13 @@ class _ShmFiles:
 
     def __init__(self, device: Any = None) -> None:
         # page-locked for DMA only on a CUDA engine
-        self.pin = _handover_mode() == "pin" and getattr(device, "type", None) == "cuda"
+        self.pin = _handover_mode() in ("pin", "mirror") and getattr(device, "type", None) == "cuda"
         self.device = device
         self.ready: list[tuple[int, Any, str | None]] = []  # (size, future of _ShmFile, the tensor it is for)
         self.handed: set[str] = set()  # paths the client maps (and then unlinks)
         self.sizes: list[int] = []  # bytes of each file handed over
         self.made: list[str] = []  # every path this capture created outside ``ready``
+        self.writers: list = []  # what waits for writes into the files still in flight (.mirror)
 
     def _make(self, nbytes: int, pin: bool = False) -> _ShmFile:
         """A file made outside ``ready`` (removed at :meth:`discard` unless handed over)."""
@@ -171,6 +172,14 @@ class _ShmFiles:
         ``name`` (None: for any tensor)."""
         size, fut = _SPARES.take(nbytes) or (nbytes, _SPARES.submit(_ShmFile, nbytes, self.pin, self.device))
         self.ready.append((size, fut, name))
+
+    def ready_file(self, name: str) -> _ShmFile | None:
+        """The file prepared for tensor ``name`` if it is ready now (it stays here for :meth:`take`),
+        else None; never waits."""
+        for _, fut, owner in self.ready:
+            if owner == name and fut.done() and fut.exception() is None:
+                return fut.result()
+        return None
 
     def take(self, nbytes: int, timings: dict | None = None, name: str | None = None) -> _ShmFile:
         """The smallest file prepared for tensor ``name`` (or for any tensor) of at least ``nbytes``
@@ -213,6 +222,8 @@ class _ShmFiles:
         """Keep files like the ones handed over ready for the next capture (:class:`.spares._Spares`),
         release the rest, and remove every file of this capture the client will not unlink,
         whatever path led here (an error mid-hand-off included)."""
+        for wait in self.writers:  # (a file is let go, or made a spare, only once nothing writes into it)
+            wait()
         ready, self.ready = [(size, fut) for size, fut, _ in self.ready], []
         if spares.SPARE_BYTES > 0 and self.sizes:
             _SPARES.refill(self.sizes, ready, lambda n: _spare(n, self.pin, self.device))
@@ -229,8 +240,8 @@ class _ShmFiles:
 
 def _handover_mode() -> str:
     mode = os.environ.get("NNVLLM_HANDOVER", "pin")
-    if mode not in ("stage", "pin", "plain"):
-        raise ValueError(f"NNVLLM_HANDOVER={mode!r}; expected 'stage', 'pin' or 'plain'")
+    if mode not in ("stage", "pin", "plain", "mirror"):
+        raise ValueError(f"NNVLLM_HANDOVER={mode!r}; expected 'stage', 'pin', 'plain' or 'mirror'")
     return mode
 
 
@@ -242,7 +253,7 @@ def _d2h(host: torch.Tensor, v: torch.Tensor, mode: str, f: _ShmFile | None = No
     if not v.is_cuda:
         host.copy_(v)
         return
-    if mode == "pin" and f is not None and (f.registered or f.register(v.device)):
+    if mode in ("pin", "mirror") and f is not None and (f.registered or f.register(v.device)):
         host.copy_(v, non_blocking=True)  # DMA straight into the page-locked file
         torch.cuda.current_stream().synchronize()
         return
@@ -282,13 +293,14 @@ def _d2h(host: torch.Tensor, v: torch.Tensor, mode: str, f: _ShmFile | None = No
 
 
 def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFiles | None" = None,
-              timings: dict[str, float] | None = None, inline: bool = False) -> dict:
+              timings: dict[str, float] | None = None, inline: bool = False, filled: dict | None = None) -> dict:
     """Move tensors to the client: directly in one process, else through files in shared memory.
 
     Each tensor becomes one file in ``/dev/shm``, prepared during the generation (:class:`_ShmFiles`).
     ``NNVLLM_HANDOVER`` picks how a GPU tensor gets there: ``pin`` (default: the file's pages are
     page-locked while it is prepared, and the copy is one DMA into them), ``stage`` (DMA into a
-    pinned staging buffer, then a multi-threaded copy) or ``plain`` (a pageable copy). Measured on an
+    pinned staging buffer, then a multi-threaded copy), ``plain`` (a pageable copy) or ``mirror`` (as
+    ``pin``, except that the files in ``filled``, by tensor, already hold their tensor: :mod:`.mirror`). Measured on an
     H200 (Llama-1B shape, 64 x 128, ~0.7 GB): hand-off 0.12 s with ``pin``, 0.21 s with ``stage``
     (benchmarks/results/capture_gpu_h200.json, run ``llama1b_handover``).
     """
@@ -310,7 +322,9 @@ def _handover(tensors: dict[str, torch.Tensor], same_process: bool, shm: "_ShmFi
         t1 = time.perf_counter()
         # this thread's CPU time in it: far below handover_file means it waited (GIL, kernel locks)
         timings["handover_file_cpu"] = timings.get("handover_file_cpu", 0.0) + time.thread_time() - c0
-        if nbytes:
+        if filled is not None and filled.get(name) is f:  # written during the generation (.mirror)
+            timings["handover_mirrored_bytes"] = timings.get("handover_mirrored_bytes", 0) + nbytes
+        elif nbytes:
             _d2h(f.host(nbytes, v.dtype, v.shape), v, mode, f)
         # where the hand-off's time goes (benchmarks): waiting for a prepared file, then the copy
         timings["handover_file"] = timings.get("handover_file", 0.0) + t1 - t0
