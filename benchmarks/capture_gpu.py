@@ -103,6 +103,9 @@ batch, then the median of ``--repeats``):
   v1``, ``x v1 own`` (nnsight's runner and nnvllm's taps), ``x settings own``, ``x own in_process``
   (the capture) and ``x in_process default`` (the isolation), and the same steps between the fastest
   calls (``fastest x bare settings``...).
+  ``paired_mirror``: the paired case with a fourth engine, each with 0.22 of the GPU: ``nv.load(path)``
+  started with ``NNVLLM_HANDOVER=mirror`` (``mirror``: the hand-off written during the generation),
+  and ``x default mirror`` / ``fastest x default mirror`` in ``paired_mirror_summary``.
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
 - ``hf_nnsight``: nnsight ``LanguageModel.generate`` on transformers, all blocks' outputs each step.
 - ``nnsight_taps``: nnsight ``VLLM(taps=[blocks])``, one invoke per prompt (slow: one timed run).
@@ -404,13 +407,14 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         res[name + "_moved"] = float((run.resid[0].float() - clean.resid[0].float()).abs().max())
         model.close()
         return res
-    if name in ("paired", "paired_split"):
+    if name in ("paired", "paired_split", "paired_mirror"):
         # Every engine started before any is timed, bare vLLM first (before nnvllm is imported, so
         # nothing of nnsight's is in its process when its engine core starts); then turns.
         from vllm import LLM, SamplingParams
 
         split = name == "paired_split"
-        share = 0.16 if split else 0.28
+        mirror = name == "paired_mirror"  # a fourth engine: nv.load(path) with the hand-off written as it goes
+        share = 0.16 if split else 0.22 if mirror else 0.28
         # Each engine's config is read as it is built: vLLM's config tells the model runner from this
         # process's environment when asked, and the variable changes below and when nnsight is imported.
         bare = LLM(path, dtype="float16", gpu_memory_utilization=share)
@@ -436,6 +440,12 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         import nnvllm as nv
 
         iso = nv.load(path, dtype="float16", gpu_memory_utilization=share)
+        if mirror:  # (its server process reads NNVLLM_HANDOVER as it starts; this process's stays unset)
+            os.environ["NNVLLM_HANDOVER"] = "mirror"
+            try:
+                iso_mirror = nv.load(path, dtype="float16", gpu_memory_utilization=share)
+            finally:
+                del os.environ["NNVLLM_HANDOVER"]
         inproc = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=share)
         res[f"{name}_config"] = {**configs, "in_process": _engine_config(inproc.llm),
                                  "isolated_is_isolated": bool(getattr(iso, "_nnvllm_isolated", False)),
@@ -446,6 +456,8 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
             forms["v1"] = lambda: v1.generate(ps, sp, use_tqdm=False)
             forms["own"] = lambda: inproc.llm.generate(ps, sp, use_tqdm=False)  # nnvllm's engine, nothing kept
         forms["default"] = lambda: nv.generate(iso, ps, max_tokens=T, ignore_eos=True)
+        if mirror:
+            forms["mirror"] = lambda: nv.generate(iso_mirror, ps, max_tokens=T, ignore_eos=True)
         forms["in_process"] = lambda: nv.generate(inproc, ps, max_tokens=T, ignore_eos=True)
         for fn in forms.values():
             fn()  # warm-up
@@ -453,7 +465,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
 
         labels = list(forms)
         times: dict[str, list[float]] = {label: [] for label in labels}
-        per_call: dict[str, list[dict]] = {label: [] for label in ("default", "in_process") if label in forms}  # nnvllm's timings
+        per_call: dict[str, list[dict]] = {label: [] for label in ("default", "mirror", "in_process") if label in forms}  # nnvllm's timings
         from nnvllm.engine.heap import gc_delta, gc_pauses
 
         bare_gc: list[dict] = []  # this process's collection pauses in each bare call (its client's)
@@ -490,6 +502,10 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                          ("in_process", "own"), ("default", "in_process")):
                 summary[f"x {b} {a}"] = statistics.median(x / y for x, y in zip(times[a], times[b]))
                 summary[f"fastest x {b} {a}"] = min(times[a]) / min(times[b])
+        if mirror:
+            summary["x default mirror"] = statistics.median(x / y for x, y in zip(times["mirror"], times["default"]))
+            summary["fastest x default mirror"] = min(times["mirror"]) / min(times["default"])
+            iso_mirror.close()
         res[f"{name}_summary"] = summary
         res[f"{name}_bare_gc"] = bare_gc
         iso.close()
@@ -818,7 +834,7 @@ def table(run: dict) -> str:
     bare = s.get("bare_graphs")
     lines = [f"`{run.get('command', '?')}` (vLLM {run.get('vllm', '?')}, {run.get('machine', '?')}, "
              f"{str(run.get('date', '?'))[:10]})", ""]
-    for case in ("paired", "paired_split"):
+    for case in ("paired", "paired_split", "paired_mirror"):
         paired = run.get("seconds", {}).get(f"{case}_summary")
         if not paired:
             continue
@@ -827,7 +843,7 @@ def table(run: dict) -> str:
         calls = run.get("all", {})
         lines += ["| engine | seconds | x bare, per turn | 95% interval | spread | x bare, fastest calls |",
                   "|---|---|---|---|---|---|"]
-        for label in ("bare", "settings", "v1", "own", "default", "in_process"):
+        for label in ("bare", "settings", "v1", "own", "default", "mirror", "in_process"):
             if f"spread {label}" in paired:
                 ratio, span, fastest = paired.get(f"x bare {label}", 1.0), "", ""
                 if f"{case}_{label}" in calls:

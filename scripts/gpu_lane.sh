@@ -47,6 +47,8 @@
 #                                    in one process, called in turns (BENCH_TURNS)
 #                paired_split        capture_gpu.py, the paired case with vLLM under nnvllm's settings and the
 #                                    in-process engine's own generate too: each step of the gap, per turn
+#                paired_mirror       capture_gpu.py, the paired case with nv.load(path) started with
+#                                    NNVLLM_HANDOVER=mirror beside it (the hand-off written during the generation)
 #                split               capture_gpu.py, where nv.generate's cost over the engine's own generate goes:
 #                                    text vs token-id prompts, tokens only, every layer; then each under cProfile
 #                kernels             capture_gpu.py, one call of bare vLLM's default and of each split form under
@@ -265,6 +267,8 @@ bench() {
                 --timeout 400 --root $root --cases paired ;;
       paired_split) bench_item "$item" $c --name llama1b_paired_split --shape llama1b --prompts 64 --tokens 128 \
                       --repeats ${BENCH_TURNS:-24} --timeout 560 --root $root --cases paired_split ;;
+      paired_mirror) bench_item "$item" $c --name llama1b_paired_mirror --shape llama1b --prompts 64 --tokens 128 \
+                       --repeats ${BENCH_TURNS:-24} --timeout 560 --root $root --cases paired_mirror ;;
       ab)  # a case with nnvllm from AB_BASE and from this tree, in turns (see the header)
         if [ ! -d "${AB_BASE:-}/nnvllm" ]; then
           echo "bench ab: AB_BASE must be a folder holding an nnvllm/ package (git archive <commit> nnvllm | tar -x -C <folder>)" >&2
