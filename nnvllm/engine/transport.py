@@ -318,8 +318,12 @@ def _serial_tracer_class():
     class SerialTracer(VLLMTracer):
         def execute(self, code) -> None:
             with holding(self.envoy, "model.trace"):
-                super().execute(code)
-                warn_eager_steps(self.envoy)  # its steps that ran eagerly on a graph engine, if any
+                done = False
+                try:
+                    super().execute(code)
+                    done = True
+                finally:  # its steps that ran eagerly on a graph engine, if any: said, or (failed) let go
+                    warn_eager_steps(self.envoy, say=done)
 
     # importable as nnvllm.engine.transport.SerialTracer (module __getattr__): pickled by reference
     SerialTracer.__module__, SerialTracer.__qualname__ = __name__, "SerialTracer"
@@ -350,10 +354,11 @@ def eager_notice(per_rank: list) -> str | None:
             "(which traced steps run eagerly, and why: docs/capture.md, 'nnsight traces on a graph engine')")
 
 
-def warn_eager_steps(model) -> None:
+def warn_eager_steps(model, say: bool = True) -> None:
     """After a trace on an in-process graph engine (which it held alone: transport.SerialTracer), ask
-    the workers why its decode steps ran eagerly, if any did, and say so in one warning. A notice never
-    fails the trace it is about."""
+    the workers why its decode steps ran eagerly, if any did, and say so in one warning (``say``). A
+    notice never fails the trace it is about. The workers give each note once, so a trace that failed
+    takes its notes too (``say=False``): left there, they would be the next trace's notice."""
     llm = getattr(model, "vllm_entrypoint", None)
     if llm is None or not getattr(model, "_nnvllm_graphs", False):  # (models.uses_cuda_graphs, in-process)
         return
@@ -361,7 +366,7 @@ def warn_eager_steps(model) -> None:
         notice = eager_notice(llm.collective_rpc("nnvllm_eager_notes"))
     except Exception:  # noqa: BLE001
         return
-    if notice:
+    if notice and say:
         import warnings
 
         warnings.warn(notice, stacklevel=4)
