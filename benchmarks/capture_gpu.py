@@ -440,12 +440,16 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         import nnvllm as nv
 
         iso = nv.load(path, dtype="float16", gpu_memory_utilization=share)
-        if mirror:  # (its server process reads NNVLLM_HANDOVER as it starts; this process's stays unset)
+        if mirror:  # (its server process reads NNVLLM_HANDOVER as it starts; this process's stays as it was)
+            was = os.environ.get("NNVLLM_HANDOVER")
             os.environ["NNVLLM_HANDOVER"] = "mirror"
             try:
                 iso_mirror = nv.load(path, dtype="float16", gpu_memory_utilization=share)
             finally:
-                del os.environ["NNVLLM_HANDOVER"]
+                if was is None:
+                    del os.environ["NNVLLM_HANDOVER"]
+                else:
+                    os.environ["NNVLLM_HANDOVER"] = was
         inproc = nv.load(path, isolate=False, dtype="float16", gpu_memory_utilization=share)
         res[f"{name}_config"] = {**configs, "in_process": _engine_config(inproc.llm),
                                  "isolated_is_isolated": bool(getattr(iso, "_nnvllm_isolated", False)),
