@@ -103,7 +103,7 @@ batch, then the median of ``--repeats``):
   v1``, ``x v1 own`` (nnsight's runner and nnvllm's taps), ``x settings own``, ``x own in_process``
   (the capture) and ``x in_process default`` (the isolation), and the same steps between the fastest
   calls (``fastest x bare settings``...).
-  ``paired_mirror``: the paired case with a fourth engine, each with 0.22 of the GPU: ``nv.load(path)``
+  ``paired_mirror``: the paired case with a fourth engine, each with 0.19 of the GPU: ``nv.load(path)``
   started with ``NNVLLM_HANDOVER=mirror`` (``mirror``: the hand-off written during the generation),
   and ``x default mirror`` / ``fastest x default mirror`` in ``paired_mirror_summary``.
 - ``vllm_lens``: vllm-lens 1.2.1, ``output_residual_stream`` = all layers (llama shape).
@@ -414,7 +414,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
 
         split = name == "paired_split"
         mirror = name == "paired_mirror"  # a fourth engine: nv.load(path) with the hand-off written as it goes
-        share = 0.16 if split else 0.22 if mirror else 0.28
+        share = 0.16 if split else 0.19 if mirror else 0.28
         # Each engine's config is read as it is built: vLLM's config tells the model runner from this
         # process's environment when asked, and the variable changes below and when nnsight is imported.
         bare = LLM(path, dtype="float16", gpu_memory_utilization=share)
