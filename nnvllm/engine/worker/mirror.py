@@ -17,6 +17,7 @@ arena, or whose file is not ready by the hand-off, is copied at the end whole, a
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -36,10 +37,7 @@ class _HostView:
 def _view(f: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """File ``f``'s first bytes as a tensor of ``shape`` that the engine's device writes into (None:
     it cannot, the file not being page-locked)."""
-    n = 1
-    for s in shape:
-        n *= s
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if f.size < nbytes:
         return None
     if device.type != "cuda":
