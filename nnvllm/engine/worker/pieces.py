@@ -38,6 +38,8 @@ says so in one warning after the trace (:func:`nnvllm.engine.transport.eager_not
 from __future__ import annotations
 
 import collections
+import itertools
+import operator
 from typing import Any
 
 import torch
@@ -71,13 +73,30 @@ def _tensors(x: Any) -> list:
     return []
 
 
+def _each(x: Any, fn: Any) -> Any:
+    """``fn`` applied to each tensor in ``x``; a tensor and a plain tuple of tensors (a block's output)
+    without nnsight's general walk, which costs more than the copy at a seam."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if type(x) is tuple:
+        return tuple([_each(v, fn) for v in x])
+    from nnsight.util import apply
+
+    return apply(x, fn, torch.Tensor)
+
+
+def _rows(x: Any, total: int) -> Any:
+    """``x``'s tensors cut to the step's first ``total`` rows: a graph recorded for a batch size fills
+    only those with this step's tokens; the rest is padding no request owns."""
+    return _each(x, lambda t: t[:total] if t.dim() and t.shape[0] > total else t)
+
+
 def _interleaver_class():
     """nnsight's graph-aware interleaver, serving seams (``graph_taps``) in steps in pieces and every
     location in eager ones (nnsight's own skips non-taps everywhere), and learning which locations
     lie inside the recorded graphs."""
     from nnsight.intervention.interleaver import Interleaver
     from nnsight.modeling.vllm.interleaver import VLLMInterleaver, _capture, _copy_into, _weak
-    from nnsight.util import apply
 
     class PieceInterleaver(VLLMInterleaver):
         def replay(self, location: str, live: Any) -> None:
@@ -87,12 +106,12 @@ def _interleaver_class():
             # copy (an assignment, an in-place edit) lands back in the graph's memory.
             if not self.interleaving or (location not in self.parked and not self.observers.get(location)):
                 return super().replay(location, live)  # (nothing served: the visit is counted)
-            total = self.batcher.total
-            live = apply(live, lambda t: t[:total] if t.dim() and t.shape[0] > total else t, torch.Tensor)
+            live = _rows(live, self.batcher.total)
             # The copy is a normal tensor, not an inference tensor like the step's: it keeps a version
             # counter, which an in-place edit moves, so a trace that only reads costs no write-back.
-            with torch.inference_mode(False):
-                served = apply(live, torch.Tensor.clone, torch.Tensor)
+            # (The C++ guard, which torch.inference_mode(False) wraps: this runs at every seam.)
+            with torch._C._InferenceMode(False):
+                served = _each(live, torch.Tensor.clone)
             before = [(t, t._version) for t in _tensors(served)]
             out = self.handle(location, served)
             after = _tensors(out)
@@ -182,6 +201,9 @@ class StepPlan:
         self.uncompiled = False
         self.before: dict[str, int] | None = None  # nnsight's visit counts before a traced step
         self.per_step: dict[str, int] = {}  # visits an eager step makes inside the forward, off the seams
+        # The visits a step of each mode owes nnsight's counts, as (locations, visits) (from per_step).
+        self._owed: dict[str, tuple[tuple, tuple]] = {GRAPHS: ((), ()), PIECES: ((), ())}
+        self.traced = False  # the step carries a trace (its counts are kept in finish)
         # Why traced decode steps ran eagerly on a graph engine, per request: {request id: [why, steps,
         # (ids the request is known by)]}, until the client asks (CaptureWorker.nnvllm_eager_notes).
         self.notes: dict[str, list] = {}
@@ -293,26 +315,32 @@ class StepPlan:
             self.mode = EAGER
         self.modes[self.mode] += 1
         il = getattr(getattr(self.runner, "nnsight_model", None), "interleaver", None)
-        self.before = dict(il.counts) if self.pieces and il is not None and il.mediators else None
+        self.traced = self.pieces and il is not None and bool(il.mediators)
+        self.before = dict(il.counts) if self.traced and self.mode == EAGER else None
 
     def finish(self) -> None:
         """After the forward: keep nnsight's visit counts as an eager step would leave them; end the
         traces that missed a location inside a step in pieces."""
         before, self.before = self.before, None
         mode, self.mode = self.mode, None
-        if before is None:
+        traced, self.traced = self.traced, False
+        if not traced:
             return
         il = self.runner.nnsight_model.interleaver
         counts = il.counts
         if mode == EAGER:
             self.per_step = {p: n - before.get(p, 0) for p, n in counts.items()
                              if n != before.get(p, 0) and (p in il.graph_taps or il.off_seams(p))}
+            keys = tuple(self.per_step)
+            off = tuple(p for p in keys if p not in il.graph_taps)
+            self._owed = {GRAPHS: (keys, tuple(self.per_step[p] for p in keys)),  # it visited nothing
+                          PIECES: (off, tuple(self.per_step[p] for p in off))}  # it visited the seams
             return
         if mode not in (PIECES, GRAPHS):
             return
-        for p, d in self.per_step.items():  # (a step in pieces has counted its seams itself)
-            if counts.get(p, 0) == before.get(p, 0):
-                counts[p] = counts.get(p, 0) + d
+        keys, visits = self._owed[mode]
+        # (One dict update over C iterators: several hundred locations after every step.)
+        counts.update(zip(keys, map(operator.add, map(counts.get, keys, itertools.repeat(0)), visits)))
         if mode != PIECES:
             return  # (the whole graph: every trace waited after the forward, and missed nothing inside it)
         for m in list(il.mediators):
