@@ -212,6 +212,8 @@ def _timed(fn, repeats: int, snap=None) -> dict:
     first = time.perf_counter() - t
     if repeats == 0:
         return {"first": first, "all": [first], "per_call": [snap()] if snap is not None else []}
+    if snap is not None:
+        snap()  # (the warm-up's share of what it counts)
     ts, per_call = [], []
     for _ in range(repeats):
         t = time.perf_counter()
@@ -582,8 +584,16 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
         isolated = name == "nv_trace_isolated"  # (nv.load's default on a GPU: its saves reach the client packed)
         model = nv.load(path, isolate=isolated, dtype="float16", gpu_memory_utilization=gpu_util)
         blocks = model.model.layers if SHAPES[shape]["kind"] == "llama" else model.transformer.h
-        modes = (lambda: {}) if isolated else (  # (an isolated engine's workers are the server's to ask)
-            lambda: model.llm.collective_rpc("nnvllm_step_modes", kwargs={"reset": True})[0])
+        from nnvllm.engine.heap import gc_delta, gc_pauses
+
+        gc_last = [gc_pauses()]
+
+        def modes():  # after each call: its step modes, and this process's collection pauses in it
+            out = {} if isolated else (  # (an isolated engine's workers are the server's to ask)
+                model.llm.collective_rpc("nnvllm_step_modes", kwargs={"reset": True})[0])
+            out.update(gc_delta(gc_last[0], "client_"))
+            gc_last[0] = gc_pauses()
+            return out
 
         def trace_run(k):
             with model.trace(temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 
+from ..heap import gc_delta, gc_pauses
 from .arena import _HOST, _Capture
 from .handoff import _SPARES, sweep_stale, watch_server
 from .pieces import EAGER, StepPlan
@@ -253,13 +254,19 @@ class CaptureWorker:
         the decode graphs are recorded in pieces too (:mod:`.pieces`). Under ``NNVLLM_COMPILE=1`` also
         how many forwards ran the compiled code (``compiled``) and the plain forward (``plain``: steps
         carrying nnsight's work). ``untraced`` counts the steps in which nnsight had no work, which
-        skipped its per-request bookkeeping (:func:`_nnsight_idle`)."""
+        skipped its per-request bookkeeping (:func:`_nnsight_idle`). ``worker_gc``, ``worker_gc_full`` and
+        ``worker_gc_young``: this worker process's garbage-collection pauses over the same span (the
+        first ask starts the count)."""
         plan = getattr(self.model_runner, "_nnvllm_plan", None)
-        if plan is None:
-            return {"pieces_recorded": False}
-        out = {"pieces_recorded": plan.pieces, **plan.modes}
+        gc0 = getattr(self, "_nnvllm_gc0", None) or gc_pauses()
+        out = {"pieces_recorded": plan is not None and plan.pieces, **(plan.modes if plan is not None else {}),
+               **gc_delta(gc0, "worker_")}
         if reset:
-            plan.modes.clear()
+            if plan is not None:
+                plan.modes.clear()
+            self._nnvllm_gc0 = gc_pauses()
+        elif not hasattr(self, "_nnvllm_gc0"):
+            self._nnvllm_gc0 = gc0
         return out
 
     def nnvllm_eager_notes(self, request_ids: list | None = None) -> dict:
