@@ -9,6 +9,7 @@ collect it, hand it over. The client never imports this module; the client side 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -109,9 +110,13 @@ class RecordingRunner:
         return super()._update_states(scheduler_output)
 
     def sample_tokens(self, *args, **kwargs):
-        if _nnsight_idle(self):
-            return super(NNsightGPUModelRunner, self).sample_tokens(*args, **kwargs)
-        return super().sample_tokens(*args, **kwargs)
+        t = time.perf_counter()
+        try:
+            if _nnsight_idle(self):
+                return super(NNsightGPUModelRunner, self).sample_tokens(*args, **kwargs)
+            return super().sample_tokens(*args, **kwargs)
+        finally:
+            _host_seconds(self, t)
 
     def _sample(self, *args, **kwargs):
         if _nnsight_idle(self):
@@ -119,6 +124,13 @@ class RecordingRunner:
         return super()._sample(*args, **kwargs)
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
+        t = time.perf_counter()
+        try:
+            return self._nnvllm_execute_model(scheduler_output, intermediate_tensors)
+        finally:
+            _host_seconds(self, t)
+
+    def _nnvllm_execute_model(self, scheduler_output, intermediate_tensors):
         taps = getattr(self, "_nnvllm_taps", None)
         cap = getattr(self, "_nnvllm_capture", None)
         if taps is not None:
@@ -131,6 +143,14 @@ class RecordingRunner:
         if cap is not None and out is None:
             cap.step(self)
         return out
+
+
+def _host_seconds(runner: Any, t: float) -> None:
+    """Add the time since ``t`` to the runner's host seconds in its steps (``nnvllm_step_modes``'s
+    ``step_seconds``: the worker's share of a call, traces' serving included)."""
+    plan = getattr(runner, "_nnvllm_plan", None)
+    if plan is not None:
+        plan.seconds += time.perf_counter() - t
 
 
 def _nnsight_idle(runner: Any, new_requests: Any = ()) -> bool:
@@ -254,16 +274,18 @@ class CaptureWorker:
         the decode graphs are recorded in pieces too (:mod:`.pieces`). Under ``NNVLLM_COMPILE=1`` also
         how many forwards ran the compiled code (``compiled``) and the plain forward (``plain``: steps
         carrying nnsight's work). ``untraced`` counts the steps in which nnsight had no work, which
-        skipped its per-request bookkeeping (:func:`_nnsight_idle`). ``worker_gc``, ``worker_gc_full`` and
-        ``worker_gc_young``: this worker process's garbage-collection pauses over the same span (the
-        first ask starts the count)."""
+        skipped its per-request bookkeeping (:func:`_nnsight_idle`). ``step_seconds``: the worker's host
+        time in its steps (``execute_model`` and ``sample_tokens``, traces' serving included);
+        ``worker_gc``, ``worker_gc_full`` and ``worker_gc_young``: this worker process's
+        garbage-collection pauses; both over the same span (the first ask starts the gc count)."""
         plan = getattr(self.model_runner, "_nnvllm_plan", None)
         gc0 = getattr(self, "_nnvllm_gc0", None) or gc_pauses()
         out = {"pieces_recorded": plan is not None and plan.pieces, **(plan.modes if plan is not None else {}),
-               **gc_delta(gc0, "worker_")}
+               "step_seconds": plan.seconds if plan is not None else 0.0, **gc_delta(gc0, "worker_")}
         if reset:
             if plan is not None:
                 plan.modes.clear()
+                plan.seconds = 0.0
             self._nnvllm_gc0 = gc_pauses()
         elif not hasattr(self, "_nnvllm_gc0"):
             self._nnvllm_gc0 = gc0
