@@ -145,6 +145,15 @@ class RecordingRunner:
         return out
 
 
+def _allocator_counts() -> dict[str, int]:
+    """torch's caching allocator's device calls so far on this GPU (none on the CPU)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"cuda_mallocs": stats.get("num_device_alloc", 0), "cuda_frees": stats.get("num_device_free", 0),
+            "cuda_malloc_retries": stats.get("num_alloc_retries", 0)}
+
+
 def _host_seconds(runner: Any, t: float) -> None:
     """Add the time since ``t`` to the runner's host seconds in its steps (``nnvllm_step_modes``'s
     ``step_seconds``: the worker's share of a call, traces' serving included)."""
@@ -277,18 +286,22 @@ class CaptureWorker:
         skipped its per-request bookkeeping (:func:`_nnsight_idle`). ``step_seconds``: the worker's host
         time in its steps (``execute_model`` and ``sample_tokens``, traces' serving included);
         ``worker_gc``, ``worker_gc_full`` and ``worker_gc_young``: this worker process's
-        garbage-collection pauses; both over the same span (the first ask starts the gc count)."""
+        garbage-collection pauses; on a GPU, ``cuda_mallocs``, ``cuda_frees`` and ``cuda_malloc_retries``:
+        torch's caching allocator's calls to the device (a retry frees every cached block first); all
+        over the same span (the first ask starts the counts)."""
         plan = getattr(self.model_runner, "_nnvllm_plan", None)
         gc0 = getattr(self, "_nnvllm_gc0", None) or gc_pauses()
+        mem0, mem = getattr(self, "_nnvllm_mem0", None), _allocator_counts()
         out = {"pieces_recorded": plan is not None and plan.pieces, **(plan.modes if plan is not None else {}),
-               "step_seconds": plan.seconds if plan is not None else 0.0, **gc_delta(gc0, "worker_")}
+               "step_seconds": plan.seconds if plan is not None else 0.0, **gc_delta(gc0, "worker_"),
+               **{k: n - (mem0 or mem)[k] for k, n in mem.items()}}
         if reset:
             if plan is not None:
                 plan.modes.clear()
                 plan.seconds = 0.0
-            self._nnvllm_gc0 = gc_pauses()
-        elif not hasattr(self, "_nnvllm_gc0"):
-            self._nnvllm_gc0 = gc0
+            self._nnvllm_gc0, self._nnvllm_mem0 = gc_pauses(), _allocator_counts()
+        else:
+            self._nnvllm_gc0, self._nnvllm_mem0 = gc0, mem0 or mem
         return out
 
     def nnvllm_eager_notes(self, request_ids: list | None = None) -> dict:
