@@ -125,24 +125,21 @@ class RecordingRunner:
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         t = time.perf_counter()
-        try:
-            return self._nnvllm_execute_model(scheduler_output, intermediate_tensors)
-        finally:
-            _host_seconds(self, t)
-
-    def _nnvllm_execute_model(self, scheduler_output, intermediate_tensors):
         taps = getattr(self, "_nnvllm_taps", None)
         cap = getattr(self, "_nnvllm_capture", None)
         if taps is not None:
             taps.fired = {}
             taps._prompt_rows = None
-        out = super().execute_model(scheduler_output, intermediate_tensors)
-        plan = getattr(self, "_nnvllm_plan", None)
-        if plan is not None:
-            plan.finish()
-        if cap is not None and out is None:
-            cap.step(self)
-        return out
+        try:
+            out = super().execute_model(scheduler_output, intermediate_tensors)
+            plan = getattr(self, "_nnvllm_plan", None)
+            if plan is not None:
+                plan.finish()
+            if cap is not None and out is None:
+                cap.step(self)
+            return out
+        finally:
+            _host_seconds(self, t)
 
 
 def _allocator_counts() -> dict[str, int]:
@@ -290,18 +287,18 @@ class CaptureWorker:
         torch's caching allocator's calls to the device (a retry frees every cached block first); all
         over the same span (the first ask starts the counts)."""
         plan = getattr(self.model_runner, "_nnvllm_plan", None)
-        gc0 = getattr(self, "_nnvllm_gc0", None) or gc_pauses()
-        mem0, mem = getattr(self, "_nnvllm_mem0", None), _allocator_counts()
+        if not hasattr(self, "_nnvllm_since"):
+            self._nnvllm_since = (gc_pauses(), _allocator_counts())
+        gc0, mem0 = self._nnvllm_since
+        mem = _allocator_counts()
         out = {"pieces_recorded": plan is not None and plan.pieces, **(plan.modes if plan is not None else {}),
                "step_seconds": plan.seconds if plan is not None else 0.0, **gc_delta(gc0, "worker_"),
-               **{k: n - (mem0 or mem)[k] for k, n in mem.items()}}
+               **{k: n - mem0.get(k, n) for k, n in mem.items()}}
         if reset:
             if plan is not None:
                 plan.modes.clear()
                 plan.seconds = 0.0
-            self._nnvllm_gc0, self._nnvllm_mem0 = gc_pauses(), _allocator_counts()
-        else:
-            self._nnvllm_gc0, self._nnvllm_mem0 = gc0, mem0 or mem
+            self._nnvllm_since = (gc_pauses(), mem)
         return out
 
     def nnvllm_eager_notes(self, request_ids: list | None = None) -> dict:
