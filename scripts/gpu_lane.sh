@@ -81,6 +81,7 @@
 #   NOTEBOOKS      what the notebooks stage runs (default notebooks/)
 #   STAGE_TIMEOUT  seconds per test stage (default: none); PYTEST_ARGS: more pytest arguments
 #   PYTHON         the interpreter (default python3)
+#   BENCH_REPEATS  the timed calls of each series of bench items trace (default 5) and trace_isolated (3)
 #   BENCH_TURNS    the turns of bench items paired and paired_split (default 24, whose 95% interval of each
 #                  median ratio is the 7th-18th of the ratios; 12 give the 3rd-10th; paired_split with 24
 #                  turns and six forms took 492 s on the H100, engine starts included: a command of its own,
@@ -251,10 +252,10 @@ bench() {
         bench_item "$item" $c --name "$item" --shape "$shape" "$@" --timeout 150 --root $root --cases "$cases" ;;
       steer) bench_item "$item" $c --name llama1b_steer --shape llama1b --prompts 64 --tokens 128 \
                --timeout 200 --root $root --cases nv_steer,nv_steer_eager ;;
-      trace) bench_item "$item" $c --name llama1b_trace_seams --shape llama1b --prompts 64 --tokens 128 --repeats 5 \
+      trace) bench_item "$item" $c --name llama1b_trace_seams --shape llama1b --prompts 64 --tokens 128 --repeats ${BENCH_REPEATS:-5} \
                --timeout 230 --root $root --cases nv_trace ;;
       trace_isolated) bench_item "$item" $c --name llama1b_trace_isolated --shape llama1b --prompts 64 --tokens 128 \
-                        --repeats 3 --timeout 230 --root $root --cases nv_trace_isolated ;;
+                        --repeats ${BENCH_REPEATS:-3} --timeout 230 --root $root --cases nv_trace_isolated ;;
       trace_profile) bench_item "$item" $c --name llama1b_trace_profile --shape llama1b --prompts 64 --tokens 128 \
                        --timeout 230 --root $root --cases nv_trace_profile ;;
       defaults) bench_item "$item" $c --name llama1b_defaults --shape llama1b --prompts 64 --tokens 128 --repeats 12 \

@@ -196,6 +196,7 @@ class StepPlan:
         self.graphs: Any = None  # vLLM's full-graph wrapper, once it records pieces too
         self.modes: collections.Counter = collections.Counter()  # steps run per mode (nnvllm_step_modes)
         self.seconds = 0.0  # the worker's host time in steps (nnvllm_step_modes's step_seconds)
+        self.longest = 0.0  # the longest of those (step_longest)
         self.mode: str | None = None  # this step's
         # The step carries nnsight's work (a trace, model.edit): under torch.compile its forward runs
         # uncompiled, where nnsight's hooks are (see RecordingRunner._model_forward).

@@ -156,7 +156,9 @@ def _host_seconds(runner: Any, t: float) -> None:
     ``step_seconds``: the worker's share of a call, traces' serving included)."""
     plan = getattr(runner, "_nnvllm_plan", None)
     if plan is not None:
-        plan.seconds += time.perf_counter() - t
+        dt = time.perf_counter() - t
+        plan.seconds += dt
+        plan.longest = max(plan.longest, dt)
 
 
 def _nnsight_idle(runner: Any, new_requests: Any = ()) -> bool:
@@ -281,7 +283,8 @@ class CaptureWorker:
         how many forwards ran the compiled code (``compiled``) and the plain forward (``plain``: steps
         carrying nnsight's work). ``untraced`` counts the steps in which nnsight had no work, which
         skipped its per-request bookkeeping (:func:`_nnsight_idle`). ``step_seconds``: the worker's host
-        time in its steps (``execute_model`` and ``sample_tokens``, traces' serving included);
+        time in its steps (``execute_model`` and ``sample_tokens``, traces' serving included), and
+        ``step_longest``: the longest of those calls (one stall, or a slower step throughout);
         ``worker_gc``, ``worker_gc_full`` and ``worker_gc_young``: this worker process's
         garbage-collection pauses; on a GPU, ``cuda_mallocs``, ``cuda_frees`` and ``cuda_malloc_retries``:
         torch's caching allocator's calls to the device (a retry frees every cached block first); all
@@ -292,12 +295,13 @@ class CaptureWorker:
         gc0, mem0 = self._nnvllm_since
         mem = _allocator_counts()
         out = {"pieces_recorded": plan is not None and plan.pieces, **(plan.modes if plan is not None else {}),
-               "step_seconds": plan.seconds if plan is not None else 0.0, **gc_delta(gc0, "worker_"),
+               "step_seconds": plan.seconds if plan is not None else 0.0,
+               "step_longest": plan.longest if plan is not None else 0.0, **gc_delta(gc0, "worker_"),
                **{k: n - mem0.get(k, n) for k, n in mem.items()}}
         if reset:
             if plan is not None:
                 plan.modes.clear()
-                plan.seconds = 0.0
+                plan.seconds = plan.longest = 0.0
             self._nnvllm_since = (gc_pauses(), mem)
         return out
 
