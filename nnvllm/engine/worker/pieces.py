@@ -40,6 +40,7 @@ from __future__ import annotations
 import collections
 import itertools
 import operator
+import time
 from typing import Any
 
 import torch
@@ -106,6 +107,7 @@ def _interleaver_class():
             # copy (an assignment, an in-place edit) lands back in the graph's memory.
             if not self.interleaving or (location not in self.parked and not self.observers.get(location)):
                 return super().replay(location, live)  # (nothing served: the visit is counted)
+            t0 = time.perf_counter()
             live = _rows(live, self.batcher.total)
             # The copy is a normal tensor, not an inference tensor like the step's: it keeps a version
             # counter, which an in-place edit moves, so a trace that only reads costs no write-back.
@@ -113,10 +115,16 @@ def _interleaver_class():
             with torch._C._InferenceMode(False):
                 served = _each(live, torch.Tensor.clone)
             before = [(t, t._version) for t in _tensors(served)]
+            t1 = time.perf_counter()
             out = self.handle(location, served)
+            t2 = time.perf_counter()
             after = _tensors(out)
             if len(after) != len(before) or any(a is not t or t._version != v for a, (t, v) in zip(after, before)):
                 _copy_into(live, out)
+            clock = self.seam_clock  # (nnvllm_step_modes: where a seam's host time goes)
+            clock[0] += 1
+            clock[1] += t1 - t0 + time.perf_counter() - t2
+            clock[2] += t2 - t1
 
         def handle(self, provider: str, value: Any) -> Any:
             if self.learning and torch.cuda.is_current_stream_capturing():
@@ -230,6 +238,7 @@ class StepPlan:
         il.__class__ = _interleaver_class()
         il.graph_taps = frozenset(f"model.{blocks}.{j}.output" for j in range(n_layers))
         il.in_graph, il.learning = set(), False
+        il.seam_clock = [0, 0.0, 0.0]  # seams served; seconds in nnvllm's copies; seconds in nnsight's serving
         self.pieces = True
 
     # ---- recording

@@ -151,6 +151,14 @@ def _allocator_counts() -> dict[str, int]:
             "cuda_malloc_retries": stats.get("num_alloc_retries", 0)}
 
 
+def _plan_seams(plan: Any) -> dict:
+    """The seams a step plan's traces were served, and the host seconds they took (step modes)."""
+    if plan is None or not plan.pieces:
+        return {}
+    n, copy, serve = plan.runner.nnsight_model.interleaver.seam_clock
+    return {"seams_served": n, "seam_copy_seconds": copy, "seam_serve_seconds": serve}
+
+
 def _host_seconds(runner: Any, t: float) -> None:
     """Add the time since ``t`` to the runner's host seconds in its steps (``nnvllm_step_modes``'s
     ``step_seconds``: the worker's share of a call, traces' serving included)."""
@@ -285,6 +293,9 @@ class CaptureWorker:
         skipped its per-request bookkeeping (:func:`_nnsight_idle`). ``step_seconds``: the worker's host
         time in its steps (``execute_model`` and ``sample_tokens``, traces' serving included), and
         ``step_longest``: the longest of those calls (one stall, or a slower step throughout);
+        ``seams_served``: the blocks' outputs served to traces in steps in pieces, with the host seconds
+        they took in nnvllm's copies (``seam_copy_seconds``) and in nnsight's serving, the traces' own
+        code included (``seam_serve_seconds``);
         ``worker_gc``, ``worker_gc_full`` and ``worker_gc_young``: this worker process's
         garbage-collection pauses; on a GPU, ``cuda_mallocs``, ``cuda_frees`` and ``cuda_malloc_retries``:
         torch's caching allocator's calls to the device (a retry frees every cached block first); all
@@ -296,12 +307,15 @@ class CaptureWorker:
         mem = _allocator_counts()
         out = {"pieces_recorded": plan is not None and plan.pieces, **(plan.modes if plan is not None else {}),
                "step_seconds": plan.seconds if plan is not None else 0.0,
-               "step_longest": plan.longest if plan is not None else 0.0, **gc_delta(gc0, "worker_"),
+               "step_longest": plan.longest if plan is not None else 0.0, **_plan_seams(plan),
+               **gc_delta(gc0, "worker_"),
                **{k: n - mem0.get(k, n) for k, n in mem.items()}}
         if reset:
             if plan is not None:
                 plan.modes.clear()
                 plan.seconds = plan.longest = 0.0
+                if plan.pieces:
+                    plan.runner.nnsight_model.interleaver.seam_clock[:] = [0, 0.0, 0.0]
             self._nnvllm_since = (gc_pauses(), mem)
         return out
 
