@@ -448,8 +448,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, Pieces], metadata: di
         if p.dtype not in _ST_DTYPES:
             raise TypeError(f"{name}: dtype {p.dtype} cannot be written to safetensors")
         n = p.nbytes
-        want = int(np.prod(p.shape)) * torch.empty((), dtype=p.dtype).element_size() if p.shape else \
-            torch.empty((), dtype=p.dtype).element_size()
+        want = int(np.prod(p.shape)) * p.dtype.itemsize
         if n != want:
             raise ValueError(f"{name}: the pieces hold {n} bytes, shape {list(p.shape)} of {p.dtype} needs {want}")
         header[name] = {"dtype": _ST_DTYPES[p.dtype], "shape": list(p.shape), "data_offsets": [off, off + n]}

@@ -158,7 +158,7 @@ def write(out: str | Path, n_prompts: int, generate_chunk: Callable[[list[int]],
     def write_rows(rows: dict[str, torch.Tensor]) -> None:
         n = len(rows["token_ids"])
         widths = {name: rows[name].shape[-1] for _, _, name in columns}
-        row_bytes = context_size * (4 + sum(widths.values()) * torch.empty((), dtype=np_dtype).element_size())
+        row_bytes = context_size * (4 + sum(widths.values()) * np_dtype.itemsize)
         per_file = max(1, FILE_BYTES // row_bytes)
         a = 0
         while a < n:

@@ -70,7 +70,7 @@ def pos_bytes(described: list[dict]) -> int:
     """Bytes one position's features and errors take over the SAEs ``described`` (:func:`describe`)."""
     n = 0
     for d in described:
-        item = torch.empty((), dtype=getattr(torch, d["dtype"])).element_size()
+        item = getattr(torch, d["dtype"]).itemsize
         n += (d["d_sae"] * item if d["k"] is None else d["k"] * (4 + item)) + item
     return n
 

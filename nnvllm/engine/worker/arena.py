@@ -152,7 +152,7 @@ class _Capture:
         t = self.taps
         if t.device.type != "cuda" or not self.keep or not self.hint_rows:
             return
-        item = torch.empty((), dtype=t.dtype).element_size()
+        item = t.dtype.itemsize
         width = sum(t.full_width(s) if s in t.widths else 0 for s in self.sites)
         need = (self.hint_rows * len(self.layers) * width * item + self.hint_steps * self._vocab() * 4
                 + self.hint_rows * self.features.nbytes_per_row())

@@ -99,7 +99,7 @@ def unpack_inline(part: dict) -> dict[str, torch.Tensor]:
         numel = 1
         for n in shape if ok else ():
             numel *= n
-        if not ok or len(data) != numel * torch.empty((), dtype=dtype).element_size():
+        if not ok or len(data) != numel * dtype.itemsize:
             raise ValueError(f"the engine's inline hand-off of {name!r} is malformed (dtype "
                              f"{f.get('dtype') if isinstance(f, dict) else f!r}, shape {shape!r}); nothing was built")
         flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)

@@ -86,7 +86,7 @@ class _Group:
         return source(self.site).index_select(0, self.layers)
 
     def item(self) -> int:
-        return torch.empty((), dtype=self.sae.dtype).element_size()
+        return self.sae.dtype.itemsize
 
 
 class _Features:
@@ -169,7 +169,7 @@ class _Features:
     def nbytes_per_row(self) -> int:
         n = 0
         for grp in self.groups:
-            item = torch.empty((), dtype=grp.sae.dtype).element_size()
+            item = grp.sae.dtype.itemsize
             n += len(grp.members) * ((grp.sae.d_sae * item if grp.k is None else grp.k * (4 + item)) + item)
         return n
 

@@ -442,7 +442,7 @@ def open_handover(part: dict, owner: Any = None) -> dict[str, torch.Tensor]:
     for name, f in files.items():
         dtype = dtypes[name]
         numel = int(np.prod(f["shape"])) if f["shape"] else 1
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         kept = bool(f.get("kept"))
         try:
             if numel and kept:

@@ -365,7 +365,7 @@ class _Taps:
         :data:`STATIC_BUDGET`."""
         if self.cap <= 0:
             return
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = self.dtype.itemsize
         used = 0
         for site in graph_sites(os.environ.get("NNVLLM_GRAPH_SITES"), self.sites):  # in table order: resid first
             w = widths.get(site)
