@@ -31,7 +31,7 @@
 #                                    (1, 8, 64 prompts; docs/capture.md, "nnsight traces on a graph engine")
 #                trace_isolated      capture_gpu.py, the same trace on an isolated engine (nv.load's default)
 #                ab                  capture_gpu.py's AB_CASES (default nv_trace; 1 and AB_PROMPTS prompts, default
-#                                    8, 5 calls each) with nnvllm from AB_BASE, a folder holding another version's
+#                                    8, BENCH_REPEATS calls each, default 5) with nnvllm from AB_BASE, a folder holding another version's
 #                                    nnvllm/ package (made here: git archive <commit> nnvllm | tar -x -C ab/base),
 #                                    and from this tree, in turns, AB_ROUNDS (default 2) of each, one process per
 #                                    run: runs ab_base1, ab_head1... in ab.json, each with the code hash of the
@@ -82,8 +82,8 @@
 #   NOTEBOOKS      what the notebooks stage runs (default notebooks/)
 #   STAGE_TIMEOUT  seconds per test stage (default: none); PYTEST_ARGS: more pytest arguments
 #   PYTHON         the interpreter (default python3)
-#   BENCH_REPEATS  the timed calls of each series of bench items trace and trace_frozen (default 5) and
-#                  trace_isolated (3)
+#   BENCH_REPEATS  the timed calls of each series of bench items trace, trace_frozen and ab (default 5)
+#                  and trace_isolated (3)
 #   BENCH_TURNS    the turns of bench items paired and paired_split (default 24, whose 95% interval of each
 #                  median ratio is the 7th-18th of the ratios; 12 give the 3rd-10th; paired_split with 24
 #                  turns and six forms took 492 s on the H100, engine starts included: a command of its own,
@@ -285,7 +285,7 @@ bench() {
           for side in base head; do
             pp="$PYTHONPATH"; [ "$side" = base ] && pp="$base_dir:$PYTHONPATH"
             bench_item "ab_$side$r" env PYTHONPATH="$pp" $c --name "ab_$side$r" --shape llama1b --prompts "${AB_PROMPTS:-8}" --tokens 128 \
-              --repeats 5 --timeout $limit --root $root --cases "${AB_CASES:-nv_trace}" --out "$NNVLLM_RESULTS/ab.json"
+              --repeats ${BENCH_REPEATS:-5} --timeout $limit --root $root --cases "${AB_CASES:-nv_trace}" --out "$NNVLLM_RESULTS/ab.json"
             limit=170
           done
         done ;;
