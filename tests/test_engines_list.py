@@ -56,8 +56,9 @@ def test_a_start_and_a_close_walk_the_whole_heap_once_each(toy_path):
     nothing is frozen (one, where vLLM alone makes five on the CPU box), in a process that has
     started an engine before (a first start imports much of vLLM; its imports' automatic passes are
     off during the start too). Where the EngineCore runs in its own process (the GPU), vLLM
-    collects nothing here and nnvllm adds nothing: no full collection here during the start (a pass
-    here would be pure cost: vLLM's collections run in the EngineCore's process).
+    collects nothing here, and the start ends with one full collection, which frees the garbage from
+    before it, and freezes what survives (so that a call's full collection does not walk the heap of
+    vLLM and torch); the close unfreezes it.
     Closing (nnvllm.engine._collections_deferred): one full collection, after which the engine is
     gone, instead of vLLM's two during its shutdown and nnvllm's one after it."""
     import gc
@@ -97,9 +98,10 @@ def test_a_start_and_a_close_walk_the_whole_heap_once_each(toy_path):
             assert gone() is None
             assert len(unfrozen) == 1, f"{len(unfrozen)} full collections over the unfrozen heap during the start"
             assert gc.get_freeze_count() > 0  # vLLM froze the heap at the end of its start, as it does alone
-        else:
-            assert not full, f"{len(full)} full collections in this process while an engine started elsewhere"
-            assert gc.get_freeze_count() == frozen_before, "the start froze or unfroze this process's heap"
+        else:  # one full collection at the end of the start, which froze what survived it
+            assert gone() is None
+            assert len(full) == 1, f"{len(full)} full collections in this process while an engine started elsewhere"
+            assert gc.get_freeze_count() > frozen_before, "the start did not freeze this process's heap"
         assert nv.generate(model, "The capital of France is", max_tokens=2).tokens[0]
         engine = weakref.ref(model.llm.llm_engine)
         full.clear()
@@ -129,8 +131,9 @@ def test_an_engine_start_collects_only_what_it_made(monkeypatch):
     Where the EngineCore runs in this process a full collection (vLLM's) still frees garbage and
     freezes what survives, so the next one walks only what came after; elsewhere a full collection
     asked for here walks nothing (nnsight's meta tree asks for two through vLLM's model loader, and
-    the memory vLLM's collections free is the EngineCore's), and nothing is frozen.
-    A process forked during the start (vLLM's EngineCore on the GPU and in the isolated server)
+    the memory vLLM's collections free is the EngineCore's); an in-process engine's start there
+    (``mode="sync"``) ends with one full collection and freezes what survives, which its close
+    unfreezes (``heap._thaw``). A process forked during the start (vLLM's EngineCore on the GPU and in the isolated server)
     collects as usual from the start, its inherited heap frozen. A failed start unfreezes the heap."""
     import gc
     import weakref
@@ -179,6 +182,17 @@ def test_an_engine_start_collects_only_what_it_made(monkeypatch):
         gone = garbage()
         gc.collect()  # after the start, collection is as it was
         assert gone() is None and len(full) == 1
+        full.clear()
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        with _start_collections("sync"):  # an in-process engine whose EngineCore runs elsewhere (the GPU)
+            gone = garbage()
+            assert gc.collect() == 0 and gone() is not None and not full
+        # The start ends with one full collection, which frees its garbage, and freezes what survives.
+        assert gone() is None and len(full) == 1
+        assert gc.get_freeze_count() > before or before
+        engine._thaw()  # (the close)
+        assert gc.get_freeze_count() == before
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         full.clear()
         with pytest.raises(RuntimeError, match="failed"), _start_collections("sync"):  # the core here
             gone = garbage()

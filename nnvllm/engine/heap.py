@@ -44,13 +44,17 @@ def _start_collections(mode: str):
     for collecting), and the heap ends frozen, as vLLM leaves it at the end of a start anyway (and
     unfreezes at shutdown). Where the EngineCore runs elsewhere, the full collections asked for here
     are skipped (nnsight's meta tree, built through vLLM's model loader, asks for two: passes over the
-    whole heap that free no engine memory), nothing is frozen here, and a process forked during the
-    start (vLLM's EngineCore: the GPU, the isolated server) gets collection back at once, its
-    inherited heap frozen (vLLM freezes it at the end of the EngineCore's start).
+    whole heap that free no engine memory), and a process forked during the start (vLLM's EngineCore:
+    the GPU, the isolated server) gets collection back at once, its inherited heap frozen (vLLM
+    freezes it at the end of the EngineCore's start). An in-process engine whose EngineCore runs
+    elsewhere (``mode="sync"``: the GPU) ends its start with one full collection, which frees the
+    start's garbage, and freezes what survives, as vLLM does in the EngineCore and the isolated server
+    in its own process: otherwise a later call's full collection walks the whole heap of vLLM, torch
+    and the engine (~1M objects, 0.2-0.4 s), once every few calls; :func:`_thaw` unfreezes it at close.
     A heap someone else froze is not frozen further; after a failed start a heap frozen here is
     unfrozen again.
     """
-    global _STARTING
+    global _STARTING, _FROZE
     real, enabled, frozen = gc.collect, gc.isenabled(), gc.get_freeze_count()
 
     def collect(generation: int = 2) -> int:
@@ -79,6 +83,23 @@ def _start_collections(mode: str):
             gc.enable()
         if not ok and not frozen:
             gc.unfreeze()
+    if mode == "sync" and not _core_in_this_process(mode) and not frozen:
+        real()
+        gc.freeze()
+        _FROZE = True
+
+
+_FROZE = False  # an in-process engine's start froze this process's heap (its EngineCore runs elsewhere)
+
+
+def _thaw() -> None:
+    """At an in-process engine's close: unfreeze the heap its start froze, so that the full collection
+    after the close frees the engine's objects (where the EngineCore runs here, vLLM's shutdown
+    unfreezes it)."""
+    global _FROZE
+    if _FROZE:
+        _FROZE = False
+        gc.unfreeze()
 
 
 def _collections_in_forked_child() -> None:

@@ -346,7 +346,7 @@ def _buildmodel_classes():
             llm, self.vllm_entrypoint = self.vllm_entrypoint, None
             if llm is None:
                 return
-            from .heap import _collections_deferred, _core_in_this_process
+            from .heap import _collections_deferred, _core_in_this_process, _thaw
 
             with _collections_deferred(_core_in_this_process("sync")):
                 try:
@@ -355,6 +355,7 @@ def _buildmodel_classes():
                     pass
                 del llm
                 VLLM._cleanup_distributed()
+            _thaw()
             gc.collect()
 
         def log(self, last: int | None = 200) -> str:
