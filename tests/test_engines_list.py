@@ -132,8 +132,9 @@ def test_an_engine_start_collects_only_what_it_made(monkeypatch):
     freezes what survives, so the next one walks only what came after; elsewhere a full collection
     asked for here walks nothing (nnsight's meta tree asks for two through vLLM's model loader, and
     the memory vLLM's collections free is the EngineCore's); an in-process engine's start there
-    (``mode="sync"``) ends with one full collection and freezes what survives, which its close
-    unfreezes (``heap._thaw``). A process forked during the start (vLLM's EngineCore on the GPU and in the isolated server)
+    (``mode="sync"``) ends with one full collection and freezes what survives, a heap frozen before
+    included, so that no young collection walks what the start made; its close unfreezes it
+    (``heap._thaw``). A process forked during the start (vLLM's EngineCore on the GPU and in the isolated server)
     collects as usual from the start, its inherited heap frozen. A failed start unfreezes the heap."""
     import gc
     import weakref
@@ -184,14 +185,25 @@ def test_an_engine_start_collects_only_what_it_made(monkeypatch):
         assert gone() is None and len(full) == 1
         full.clear()
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        gc.freeze()  # a heap someone froze before the start (on the H100's image, 375 objects)
         with _start_collections("sync"):  # an in-process engine whose EngineCore runs elsewhere (the GPU)
+            made = [Cycle() for _ in range(20_000)]  # what a start makes and keeps,
+            for _ in range(20_000):  # and what it drops
+                garbage()
             gone = garbage()
             assert gc.collect() == 0 and gone() is not None and not full
-        # The start ends with one full collection, which frees its garbage, and freezes what survives.
+            assert len(gc.get_objects(0)) + len(gc.get_objects(1)) > 20_000  # all young: no pass ran
+        # The start ends with one full collection, which frees its garbage, and freezes what survives
+        # (someone else's frozen objects included): no young collection walks what the start made.
         assert gone() is None and len(full) == 1
-        assert gc.get_freeze_count() > before or before
+        assert gc.get_freeze_count() > len(made)
+        assert len(gc.get_objects(0)) + len(gc.get_objects(1)) < 1_000
         engine._thaw()  # (the close)
-        assert gc.get_freeze_count() == before
+        assert gc.get_freeze_count() == 0
+        del made
+        if before:
+            gc.freeze()  # (as it found it: frozen)
+        before = gc.get_freeze_count()
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         full.clear()
         with pytest.raises(RuntimeError, match="failed"), _start_collections("sync"):  # the core here
