@@ -61,9 +61,6 @@ batch, then the median of ``--repeats``):
   too, as every traced step does); ``per_call`` has each call's step modes.
 - ``nv_trace_isolated``: the ``nv_trace`` case on an isolated engine (``isolate=True``, nv.load's
   default on a GPU), without the step modes.
-- ``nv_trace_frozen``: the ``nv_trace`` case with this process's heap collected and frozen
-  (``gc.freeze``) after the engine starts, as an isolated engine's server does with its own: whether
-  the calling process's full collections are what slows a call.
 - ``nv_trace_profile``: the ``nv_trace`` case's 1- and 8-prompt calls (``nv.generate``, the trace, the
   logits-only trace) once each under cProfile, with the engine core in the case's process
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the profile sees the worker: seconds (profiler on) and
@@ -573,7 +570,7 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
                                       "per_call": calls[label]}
         model.close()
         return res
-    if name in ("nv_trace", "nv_trace_nopieces", "nv_trace_profile", "nv_trace_isolated", "nv_trace_frozen"):
+    if name in ("nv_trace", "nv_trace_nopieces", "nv_trace_profile", "nv_trace_isolated"):
         # An nnsight trace reading every block's output at every step, one invoke per prompt (as the
         # nnsight_taps case), on the in-process graph engine: with the graph pieces (the default) or
         # with them off (NNVLLM_TRACE_PIECES=0: every traced step eager); beside nv.generate keeping
@@ -586,11 +583,6 @@ def case(name: str, path: str, shape: str, n: int, T: int, repeats: int, extra: 
 
         isolated = name == "nv_trace_isolated"  # (nv.load's default on a GPU: its saves reach the client packed)
         model = nv.load(path, isolate=isolated, dtype="float16", gpu_memory_utilization=gpu_util)
-        if name == "nv_trace_frozen":
-            import gc
-
-            gc.collect()
-            gc.freeze()
         blocks = model.model.layers if SHAPES[shape]["kind"] == "llama" else model.transformer.h
         from nnvllm.engine.heap import gc_delta, gc_pauses
 

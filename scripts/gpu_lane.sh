@@ -36,7 +36,6 @@
 #                                    and from this tree, in turns, AB_ROUNDS (default 2) of each, one process per
 #                                    run: runs ab_base1, ab_head1... in ab.json, each with the code hash of the
 #                                    package it imported
-#                trace_frozen        the trace with the calling process's heap frozen after the engine starts
 #                trace_profile       capture_gpu.py, the 1- and 8-prompt trace under cProfile, worker included
 #                defaults            capture_gpu.py, nv.load's defaults against bare vLLM, 12 calls each
 #                                    (docs/capture.md, "What it costs")
@@ -82,8 +81,7 @@
 #   NOTEBOOKS      what the notebooks stage runs (default notebooks/)
 #   STAGE_TIMEOUT  seconds per test stage (default: none); PYTEST_ARGS: more pytest arguments
 #   PYTHON         the interpreter (default python3)
-#   BENCH_REPEATS  the timed calls of each series of bench items trace, trace_frozen and ab (default 5)
-#                  and trace_isolated (3)
+#   BENCH_REPEATS  the timed calls of each series of bench items trace and ab (default 5) and trace_isolated (3)
 #   BENCH_TURNS    the turns of bench items paired and paired_split (default 24, whose 95% interval of each
 #                  median ratio is the 7th-18th of the ratios; 12 give the 3rd-10th; paired_split with 24
 #                  turns and six forms took 492 s on the H100, engine starts included: a command of its own,
@@ -258,8 +256,6 @@ bench() {
                --timeout 230 --root $root --cases nv_trace ;;
       trace_isolated) bench_item "$item" $c --name llama1b_trace_isolated --shape llama1b --prompts 64 --tokens 128 \
                         --repeats ${BENCH_REPEATS:-3} --timeout 230 --root $root --cases nv_trace_isolated ;;
-      trace_frozen) bench_item "$item" $c --name llama1b_trace_frozen --shape llama1b --prompts 64 --tokens 128 \
-                      --repeats ${BENCH_REPEATS:-5} --timeout 230 --root $root --cases nv_trace_frozen ;;
       trace_profile) bench_item "$item" $c --name llama1b_trace_profile --shape llama1b --prompts 64 --tokens 128 \
                        --timeout 230 --root $root --cases nv_trace_profile ;;
       defaults) bench_item "$item" $c --name llama1b_defaults --shape llama1b --prompts 64 --tokens 128 --repeats 12 \
