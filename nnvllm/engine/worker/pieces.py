@@ -205,6 +205,8 @@ class StepPlan:
         self.modes: collections.Counter = collections.Counter()  # steps run per mode (nnvllm_step_modes)
         self.seconds = 0.0  # the worker's host time in steps (nnvllm_step_modes's step_seconds)
         self.longest = 0.0  # the longest of those (step_longest)
+        # Seams served in steps in pieces; host seconds in nnvllm's copies at them; in nnsight's serving.
+        self.seams: list = [0, 0.0, 0.0]
         self.mode: str | None = None  # this step's
         # The step carries nnsight's work (a trace, model.edit): under torch.compile its forward runs
         # uncompiled, where nnsight's hooks are (see RecordingRunner._model_forward).
@@ -238,8 +240,22 @@ class StepPlan:
         il.__class__ = _interleaver_class()
         il.graph_taps = frozenset(f"model.{blocks}.{j}.output" for j in range(n_layers))
         il.in_graph, il.learning = set(), False
-        il.seam_clock = [0, 0.0, 0.0]  # seams served; seconds in nnvllm's copies; seconds in nnsight's serving
+        il.seam_clock = self.seams
         self.pieces = True
+
+    def timings(self) -> dict:
+        """The steps run per mode and the host time in them since the last :meth:`reset`
+        (``CaptureWorker.nnvllm_step_modes``)."""
+        out = {**self.modes, "step_seconds": self.seconds, "step_longest": self.longest}
+        if self.pieces:
+            n, copy, serve = self.seams
+            out.update(seams_served=n, seam_copy_seconds=copy, seam_serve_seconds=serve)
+        return out
+
+    def reset(self) -> None:
+        self.modes.clear()
+        self.seconds = self.longest = 0.0
+        self.seams[:] = [0, 0.0, 0.0]
 
     # ---- recording
     def before_capture(self) -> None:

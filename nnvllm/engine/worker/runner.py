@@ -151,14 +151,6 @@ def _allocator_counts() -> dict[str, int]:
             "cuda_malloc_retries": stats.get("num_alloc_retries", 0)}
 
 
-def _plan_seams(plan: Any) -> dict:
-    """The seams a step plan's traces were served, and the host seconds they took (step modes)."""
-    if plan is None or not plan.pieces:
-        return {}
-    n, copy, serve = plan.runner.nnsight_model.interleaver.seam_clock
-    return {"seams_served": n, "seam_copy_seconds": copy, "seam_serve_seconds": serve}
-
-
 def _host_seconds(runner: Any, t: float) -> None:
     """Add the time since ``t`` to the runner's host seconds in its steps (``nnvllm_step_modes``'s
     ``step_seconds``: the worker's share of a call, traces' serving included)."""
@@ -305,17 +297,12 @@ class CaptureWorker:
             self._nnvllm_since = (gc_pauses(), _allocator_counts())
         gc0, mem0 = self._nnvllm_since
         mem = _allocator_counts()
-        out = {"pieces_recorded": plan is not None and plan.pieces, **(plan.modes if plan is not None else {}),
-               "step_seconds": plan.seconds if plan is not None else 0.0,
-               "step_longest": plan.longest if plan is not None else 0.0, **_plan_seams(plan),
-               **gc_delta(gc0, "worker_"),
+        times = plan.timings() if plan is not None else {"step_seconds": 0.0, "step_longest": 0.0}
+        out = {"pieces_recorded": plan is not None and plan.pieces, **times, **gc_delta(gc0, "worker_"),
                **{k: n - mem0.get(k, n) for k, n in mem.items()}}
         if reset:
             if plan is not None:
-                plan.modes.clear()
-                plan.seconds = plan.longest = 0.0
-                if plan.pieces:
-                    plan.runner.nnsight_model.interleaver.seam_clock[:] = [0, 0.0, 0.0]
+                plan.reset()
             self._nnvllm_since = (gc_pauses(), mem)
         return out
 
