@@ -169,7 +169,7 @@ class _Features:
     def nbytes_per_row(self) -> int:
         n = 0
         for grp in self.groups:
-            item = grp.sae.dtype.itemsize
+            item = grp.item()
             n += len(grp.members) * ((grp.sae.d_sae * item if grp.k is None else grp.k * (4 + item)) + item)
         return n
 
