@@ -207,3 +207,56 @@ def test_a_trace_of_the_blocks_outputs_replays_graph_pieces_and_reads_and_edits_
     assert g["generate"].tokens == e["generate"].tokens
     for i in range(len(PROMPTS)):
         assert _gap(g["generate"].resid[i], e["generate"].resid[i]) < REL
+
+
+def _llama_traces(path, graphs: bool) -> dict:
+    """A Llama block returns ``(hidden states, residual)`` (the residual stream is their sum), which a
+    step in pieces serves as one stacked copy (``pieces._copy``): per trace, every block's stream at
+    every step ``[step, layer, row, width]`` per prompt, read, after a swap of block 1's hidden states,
+    and after an in-place edit of its residual."""
+    model = nv.load(path, isolate=False, dtype="float32", gpu_memory_utilization=0.3,
+                    kv_cache_memory_bytes=1 << 30, cuda_graphs=graphs)
+    try:
+        layers = model.model.layers
+        edit = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(2)) * 3.0
+        _modes(model)
+        out = {}
+        for what in ("read", "swap", "inplace"):
+            with model.trace(temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:
+                for p in PROMPTS:
+                    with tracer.invoke(p):
+                        got = list().save()
+                        for _ in tracer.iter[:T]:
+                            vals = []
+                            for i in range(len(layers)):
+                                if i == 1 and what == "swap":
+                                    hidden, residual = layers[1].output
+                                    layers[1].output = (hidden + edit.to(hidden.device), residual)
+                                elif i == 1 and what == "inplace":
+                                    layers[1].output[1].add_(edit.to(layers[1].output[1].device))
+                                hidden, residual = layers[i].output
+                                vals.append((hidden + residual).cpu())
+                            got.append(torch.stack(vals))
+            out[what] = got if isinstance(got[0], list) else [got]  # (one invoke: its list itself)
+            out[what + "_modes"] = _modes(model)
+        return out
+    finally:
+        model.close()
+
+
+def test_a_trace_of_a_llama_blocks_hidden_states_and_residual_reads_and_edits_both_in_pieces(tiny_paths):
+    g = _llama_traces(tiny_paths["llama"], graphs=True)
+    e = _llama_traces(tiny_paths["llama"], graphs=False)
+    print("step modes on the graph engine:", {k: g[k] for k in g if k.endswith("_modes")})
+    for what in ("read", "swap", "inplace"):
+        m = g[what + "_modes"]
+        assert m.get("pieces", 0) >= T - 1 and m.get("eager", 0) <= 2 and not m.get("graphs"), (what, m)
+        assert len(g[what]) == len(e[what]) == len(PROMPTS)
+        for a, b in zip(g[what], e[what]):
+            assert len(a) == len(b) == T
+            gap = max(_gap(x, y) for x, y in zip(a, b))
+            assert gap < REL, (what, gap)
+    # Both edits reached the blocks after block 1 (a stream read from the wrong memory would not move).
+    for what in ("swap", "inplace"):
+        moved = max(float((a[-1][2:] - b[-1][2:]).abs().max()) for a, b in zip(g[what], g["read"]))
+        assert moved > 0.1, (what, moved)
