@@ -471,6 +471,12 @@ class SAE:
                 f"d_sae={self.d_sae}{extra}, dtype={str(self.dtype).removeprefix('torch.')})")
 
 
+def _row_bytes(d_sae: int, k: int | None, itemsize: int) -> int:
+    """Bytes one position of one SAE keeps in a capture: its ``d_sae`` feature values (``k`` None), or
+    its ``k`` top feature ids (int32) and values, and its reconstruction error (one value)."""
+    return (d_sae * itemsize if k is None else k * (4 + itemsize)) + itemsize
+
+
 def _dtype(dtype, where: str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

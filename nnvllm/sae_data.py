@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .results import Pieces, Run
-from .sae import CFG_FILENAME, WEIGHTS_FILENAME
+from .sae import CFG_FILENAME, WEIGHTS_FILENAME, _row_bytes
 
 __all__ = ["check", "describe", "fingerprint", "pos_bytes", "read", "shard_tensors"]
 
@@ -68,11 +68,7 @@ def describe(saes: list, specs: list[dict]) -> list[dict]:
 
 def pos_bytes(described: list[dict]) -> int:
     """Bytes one position's features and errors take over the SAEs ``described`` (:func:`describe`)."""
-    n = 0
-    for d in described:
-        item = getattr(torch, d["dtype"]).itemsize
-        n += (d["d_sae"] * item if d["k"] is None else d["k"] * (4 + item)) + item
-    return n
+    return sum(_row_bytes(d["d_sae"], d["k"], getattr(torch, d["dtype"]).itemsize) for d in described)
 
 
 def shard_tensors(run: Run, positions: list[int]) -> dict[str, Pieces]:

@@ -167,11 +167,9 @@ class _Features:
         return out
 
     def nbytes_per_row(self) -> int:
-        n = 0
-        for grp in self.groups:
-            item = grp.item()
-            n += len(grp.members) * ((grp.sae.d_sae * item if grp.k is None else grp.k * (4 + item)) + item)
-        return n
+        from ...sae import _row_bytes
+
+        return sum(len(grp.members) * _row_bytes(grp.sae.d_sae, grp.k, grp.item()) for grp in self.groups)
 
     def stage(self, source, places: torch.Tensor, arena: int, arenas: list[dict], pick=None) -> None:
         """Take this step's rows of one arena: ``places`` their rows in ``arenas[arena]``, ``pick`` (or
