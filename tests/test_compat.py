@@ -205,33 +205,6 @@ def test_the_graph_switches_read_1_or_0_and_refuse_anything_else(monkeypatch):
     assert default_cuda_graphs() is True
 
 
-def test_a_seams_copy_is_its_own_memory_and_shows_an_edit_of_any_of_its_tensors():
-    import torch
-
-    from nnvllm.engine.worker.pieces import _copy, _rows, _tensors
-
-    with torch.inference_mode():  # a step's tensors are inference tensors
-        block = (torch.randn(4, 6), torch.randn(4, 6))  # (hidden states, residual): one stack
-        other = (torch.randn(4, 6), torch.randn(4, 3))  # shapes differ: one clone each
-    for live in (block, other, block[0]):
-        rows = _rows(live, 3)
-        served = _copy(rows)
-        for src, got in zip(_tensors(rows), _tensors(served)):
-            assert got.shape == src.shape == (3, src.shape[1]) and torch.equal(got, src)
-            assert not got.is_inference() and got.data_ptr() != src.data_ptr()
-        before = [t._version for t in _tensors(served)]
-        _tensors(served)[-1].add_(1)  # an edit of one tensor
-        after = [t._version for t in _tensors(served)]
-        # An edited tensor's version moves (so it lands back in the graph's memory); a stacked copy's
-        # views share one counter, so all land back, and the unedited ones land unchanged.
-        assert after[-1] != before[-1], (live, before, after)
-        if type(live) is tuple and live is block:
-            assert after == [before[0] + 1] * 2, (before, after)
-            assert torch.equal(served[0], rows[0])
-        elif type(live) is tuple:
-            assert after[0] == before[0], (before, after)
-
-
 @pytest.mark.parametrize("source, kept, left", [
     # the collecting idiom: bound, then appended to under tracer.iter
     ("steps = list().save()\nfor _ in tracer.iter[:3]:\n    steps.append(h[0].output)", {"tracer", "h"}, {"steps"}),

@@ -210,10 +210,10 @@ def test_a_trace_of_the_blocks_outputs_replays_graph_pieces_and_reads_and_edits_
 
 
 def _llama_traces(path, graphs: bool) -> dict:
-    """A Llama block returns ``(hidden states, residual)`` (the residual stream is their sum), which a
-    step in pieces serves as one stacked copy (``pieces._copy``): per trace, every block's stream at
-    every step ``[step, layer, row, width]`` per prompt, read, after a swap of block 1's hidden states,
-    and after an in-place edit of its residual."""
+    """A Llama block returns ``(hidden states, residual)`` (the residual stream is their sum), each
+    served as a copy in a step in pieces: per trace, every block's stream at every step ``[step, layer,
+    row, width]`` per prompt, read, after a swap of block 1's hidden states, and after an in-place edit
+    of its residual."""
     model = nv.load(path, isolate=False, dtype="float32", gpu_memory_utilization=0.3,
                     kv_cache_memory_bytes=1 << 30, cuda_graphs=graphs)
     try:

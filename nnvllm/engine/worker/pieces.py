@@ -67,8 +67,6 @@ def _tensors(x: Any) -> list:
     """The tensors in ``x`` (a tensor, or tuples, lists and dicts of them), in order."""
     if isinstance(x, torch.Tensor):
         return [x]
-    if type(x) is tuple and all(type(t) is torch.Tensor for t in x):  # a block's output, at every seam
-        return list(x)
     if isinstance(x, (tuple, list)):
         return [t for v in x for t in _tensors(v)]
     if isinstance(x, dict):
@@ -94,28 +92,6 @@ def _rows(x: Any, total: int) -> Any:
     return _each(x, lambda t: t[:total] if t.dim() and t.shape[0] > total else t)
 
 
-def _stackable(x: Any) -> bool:
-    """Whether ``x`` is a tuple of tensors of one shape and dtype (a decoder block's hidden states and
-    residual), which :func:`_copy` copies in one allocation and one kernel."""
-    if type(x) is not tuple or len(x) < 2:
-        return False
-    first = x[0]
-    return all(type(t) is torch.Tensor and t.shape == first.shape and t.dtype == first.dtype for t in x)
-
-
-def _copy(x: Any) -> Any:
-    """A copy of ``x``'s tensors, made as normal tensors (not inference tensors like a step's: they keep
-    a version counter, which an in-place edit moves). A tuple of tensors of one shape is copied by one
-    ``torch.stack`` and served as the stack's views: at a seam the host time of an allocation and a
-    kernel launch per tensor is most of the copy's. The views share one version counter, so an edit of
-    one marks all of them edited, and all land back (the unedited ones unchanged)."""
-    # (The C++ guard, which torch.inference_mode(False) wraps: this runs at every seam.)
-    with torch._C._InferenceMode(False):
-        if _stackable(x):
-            return torch.stack(x).unbind(0)
-        return _each(x, torch.Tensor.clone)
-
-
 def _interleaver_class():
     """nnsight's graph-aware interleaver, serving seams (``graph_taps``) in steps in pieces and every
     location in eager ones (nnsight's own skips non-taps everywhere), and learning which locations
@@ -133,7 +109,11 @@ def _interleaver_class():
                 return super().replay(location, live)  # (nothing served: the visit is counted)
             t0 = time.perf_counter()
             live = _rows(live, self.batcher.total)
-            served = _copy(live)  # (its version counters tell an edit: a trace that only reads costs no write-back)
+            # The copy is a normal tensor, not an inference tensor like the step's: it keeps a version
+            # counter, which an in-place edit moves, so a trace that only reads costs no write-back.
+            # (The C++ guard, which torch.inference_mode(False) wraps: this runs at every seam.)
+            with torch._C._InferenceMode(False):
+                served = _each(live, torch.Tensor.clone)
             before = [(t, t._version) for t in _tensors(served)]
             t1 = time.perf_counter()
             out = self.handle(location, served)
