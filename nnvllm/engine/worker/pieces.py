@@ -113,7 +113,9 @@ def _interleaver_class():
             # counter, which an in-place edit moves, so a trace that only reads costs no write-back.
             # (The C++ guard, which torch.inference_mode(False) wraps: this runs at every seam.)
             with torch._C._InferenceMode(False):
+                tc = time.perf_counter()
                 served = _each(live, torch.Tensor.clone)
+                tc = time.perf_counter() - tc
             before = [(t, t._version) for t in _tensors(served)]
             t1 = time.perf_counter()
             out = self.handle(location, served)
@@ -125,6 +127,7 @@ def _interleaver_class():
             clock[0] += 1
             clock[1] += t1 - t0 + time.perf_counter() - t2
             clock[2] += t2 - t1
+            clock[3] += tc
 
         def handle(self, provider: str, value: Any) -> Any:
             if self.learning and torch.cuda.is_current_stream_capturing():
@@ -205,8 +208,9 @@ class StepPlan:
         self.modes: collections.Counter = collections.Counter()  # steps run per mode (nnvllm_step_modes)
         self.seconds = 0.0  # the worker's host time in steps (nnvllm_step_modes's step_seconds)
         self.longest = 0.0  # the longest of those (step_longest)
-        # Seams served in steps in pieces; host seconds in nnvllm's copies at them; in nnsight's serving.
-        self.seams: list = [0, 0.0, 0.0]
+        # Seams served in steps in pieces; host seconds in nnvllm's copies at them; in nnsight's serving;
+        # in the copies' clones alone.
+        self.seams: list = [0, 0.0, 0.0, 0.0]
         self.mode: str | None = None  # this step's
         # The step carries nnsight's work (a trace, model.edit): under torch.compile its forward runs
         # uncompiled, where nnsight's hooks are (see RecordingRunner._model_forward).
@@ -248,14 +252,14 @@ class StepPlan:
         (``CaptureWorker.nnvllm_step_modes``)."""
         out = {**self.modes, "step_seconds": self.seconds, "step_longest": self.longest}
         if self.pieces:
-            n, copy, serve = self.seams
-            out.update(seams_served=n, seam_copy_seconds=copy, seam_serve_seconds=serve)
+            n, copy, serve, clones = self.seams
+            out.update(seams_served=n, seam_copy_seconds=copy, seam_serve_seconds=serve, seam_clone_seconds=clones)
         return out
 
     def reset(self) -> None:
         self.modes.clear()
         self.seconds = self.longest = 0.0
-        self.seams[:] = [0, 0.0, 0.0]
+        self.seams[:] = [0, 0.0, 0.0, 0.0]
 
     # ---- recording
     def before_capture(self) -> None:
