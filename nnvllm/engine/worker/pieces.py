@@ -107,7 +107,7 @@ def _interleaver_class():
             # copy (an assignment, an in-place edit) lands back in the graph's memory.
             if not self.interleaving or (location not in self.parked and not self.observers.get(location)):
                 return super().replay(location, live)  # (nothing served: the visit is counted)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             live = _rows(live, self.batcher.total)
             # The copy is a normal tensor, not an inference tensor like the step's: it keeps a version
             # counter, which an in-place edit moves, so a trace that only reads costs no write-back.
@@ -117,9 +117,9 @@ def _interleaver_class():
                 served = _each(live, torch.Tensor.clone)
                 tc = time.perf_counter() - tc
             before = [(t, t._version) for t in _tensors(served)]
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.thread_time()
             out = self.handle(location, served)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.thread_time()
             after = _tensors(out)
             if len(after) != len(before) or any(a is not t or t._version != v for a, (t, v) in zip(after, before)):
                 _copy_into(live, out)
@@ -128,6 +128,8 @@ def _interleaver_class():
             clock[1] += t1 - t0 + time.perf_counter() - t2
             clock[2] += t2 - t1
             clock[3] += tc
+            clock[4] += c1 - c0
+            clock[5] += c2 - c1
 
         def handle(self, provider: str, value: Any) -> Any:
             if self.learning and torch.cuda.is_current_stream_capturing():
@@ -209,8 +211,9 @@ class StepPlan:
         self.seconds = 0.0  # the worker's host time in steps (nnvllm_step_modes's step_seconds)
         self.longest = 0.0  # the longest of those (step_longest)
         # Seams served in steps in pieces; host seconds in nnvllm's copies at them; in nnsight's serving;
-        # in the copies' clones alone.
-        self.seams: list = [0, 0.0, 0.0, 0.0]
+        # in the copies' clones alone; the worker thread's CPU time in the copies and in the serving (below
+        # their host seconds where the thread waited: for the GIL, the device, or the trace's own thread).
+        self.seams: list = [0, 0.0, 0.0, 0.0, 0.0, 0.0]
         self.mode: str | None = None  # this step's
         # The step carries nnsight's work (a trace, model.edit): under torch.compile its forward runs
         # uncompiled, where nnsight's hooks are (see RecordingRunner._model_forward).
@@ -252,14 +255,15 @@ class StepPlan:
         (``CaptureWorker.nnvllm_step_modes``)."""
         out = {**self.modes, "step_seconds": self.seconds, "step_longest": self.longest}
         if self.pieces:
-            n, copy, serve, clones = self.seams
-            out.update(seams_served=n, seam_copy_seconds=copy, seam_serve_seconds=serve, seam_clone_seconds=clones)
+            n, copy, serve, clones, copy_cpu, serve_cpu = self.seams
+            out.update(seams_served=n, seam_copy_seconds=copy, seam_serve_seconds=serve, seam_clone_seconds=clones,
+                       seam_copy_cpu_seconds=copy_cpu, seam_serve_cpu_seconds=serve_cpu)
         return out
 
     def reset(self) -> None:
         self.modes.clear()
         self.seconds = self.longest = 0.0
-        self.seams[:] = [0, 0.0, 0.0, 0.0]
+        self.seams[:] = [0, 0.0, 0.0, 0.0, 0.0, 0.0]
 
     # ---- recording
     def before_capture(self) -> None:
