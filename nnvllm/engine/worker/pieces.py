@@ -86,10 +86,17 @@ def _each(x: Any, fn: Any) -> Any:
     return apply(x, fn, torch.Tensor)
 
 
-def _rows(x: Any, total: int) -> Any:
-    """``x``'s tensors cut to the step's first ``total`` rows: a graph recorded for a batch size fills
-    only those with this step's tokens; the rest is padding no request owns."""
-    return _each(x, lambda t: t[:total] if t.dim() and t.shape[0] > total else t)
+def _cut(t: torch.Tensor, total: int) -> torch.Tensor:
+    """``t`` cut to the step's first ``total`` rows: a graph recorded for a batch size fills only those
+    with this step's tokens; the rest is padding no request owns."""
+    return t[:total] if t.dim() and t.shape[0] > total else t
+
+
+def _copy_rows(x: Any, total: int) -> Any:
+    """A copy of ``x``'s tensors cut to ``total`` rows (:func:`_cut`), in one walk."""
+    if isinstance(x, torch.Tensor):
+        return _cut(x, total).clone()
+    return _each(x, lambda t: _cut(t, total).clone())
 
 
 def _interleaver_class():
@@ -108,21 +115,27 @@ def _interleaver_class():
             if not self.interleaving or (location not in self.parked and not self.observers.get(location)):
                 return super().replay(location, live)  # (nothing served: the visit is counted)
             t0, c0 = time.perf_counter(), time.thread_time()
-            live = _rows(live, self.batcher.total)
+            total = self.batcher.total
             # The copy is a normal tensor, not an inference tensor like the step's: it keeps a version
             # counter, which an in-place edit moves, so a trace that only reads costs no write-back.
             # (The C++ guard, which torch.inference_mode(False) wraps: this runs at every seam.)
             with torch._C._InferenceMode(False):
                 tc = time.perf_counter()
-                served = _each(live, torch.Tensor.clone)
+                served = _copy_rows(live, total)
                 tc = time.perf_counter() - tc
-            before = [(t, t._version) for t in _tensors(served)]
+            kept = _tensors(served)
+            versions = [t._version for t in kept]
             t1, c1 = time.perf_counter(), time.thread_time()
             out = self.handle(location, served)
             t2, c2 = time.perf_counter(), time.thread_time()
-            after = _tensors(out)
-            if len(after) != len(before) or any(a is not t or t._version != v for a, (t, v) in zip(after, before)):
-                _copy_into(live, out)
+            if out is served:  # read, or edited in place
+                edited = any(t._version != v for t, v in zip(kept, versions))
+            else:  # swapped, or a part of it
+                after = _tensors(out)
+                edited = len(after) != len(kept) or any(a is not t or a._version != v
+                                                        for a, t, v in zip(after, kept, versions))
+            if edited:
+                _copy_into(_each(live, lambda t: _cut(t, total)), out)
             clock = self.seam_clock  # (nnvllm_step_modes: where a seam's host time goes)
             clock[0] += 1
             clock[1] += t1 - t0 + time.perf_counter() - t2
