@@ -225,7 +225,8 @@ class StepPlan:
         self.longest = 0.0  # the longest of those (step_longest)
         # Seams served in steps in pieces; host seconds in nnvllm's copies at them; in nnsight's serving;
         # in the copies' clones alone; the worker thread's CPU time in the copies and in the serving (below
-        # their host seconds where the thread waited: for the GIL, the device, or the trace's own thread).
+        # their host seconds where the thread waited, for the GIL or the device; nnsight's invokes are
+        # greenlets on this thread, so their code counts as this thread's CPU time).
         self.seams: list = [0, 0.0, 0.0, 0.0, 0.0, 0.0]
         self.mode: str | None = None  # this step's
         # The step carries nnsight's work (a trace, model.edit): under torch.compile its forward runs
