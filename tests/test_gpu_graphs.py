@@ -178,6 +178,12 @@ def test_a_trace_of_the_blocks_outputs_replays_graph_pieces_and_reads_and_edits_
         assert m.get("pieces", 0) >= T - 1 and m.get("eager", 0) <= 2 and not m.get("graphs"), (what, m)
         gaps = [_gap(a, b) for a, b in zip(g[what], e[what])]
         assert len(gaps) == len(PROMPTS) and max(gaps) < REL, (what, max(gaps))
+        # Served from the ring's slots (worker/ring.py), no clone at a seam; a trace that keeps every
+        # step's values holds a slot a step, and the steps after the last free slot are served clones.
+        if what == "kept":
+            assert 0 < m["seams_from_ring"] < m["seams_served"], m
+        else:
+            assert m["seams_from_ring"] == m["seams_served"] > 0, (what, m)
     moved = max(float((a[2:] - b[2:]).abs().max()) for a, b in zip(g["edit"], g["read"]))
     assert moved > 0.1  # the swap reached the forward after block 1
     assert max(_gap(a, b) for a, b in zip(g["inplace"], g["edit"])) < REL  # and the in-place edit, the same way
@@ -252,6 +258,7 @@ def test_a_trace_of_a_llama_blocks_hidden_states_and_residual_reads_and_edits_bo
         m = g[what + "_modes"]
         assert m.get("pieces", 0) >= T - 1 and m.get("eager", 0) <= 2 and not m.get("graphs"), (what, m)
         assert len(g[what]) == len(e[what]) == len(PROMPTS)
+        assert m["seams_from_ring"] == m["seams_served"] > 0, (what, m)  # (worker/ring.py: no clones)
         for a, b in zip(g[what], e[what]):
             assert len(a) == len(b) == T
             gap = max(_gap(x, y) for x, y in zip(a, b))

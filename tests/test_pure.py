@@ -1042,3 +1042,57 @@ def test_graph_sites_names_what_the_cuda_graphs_record():
     assert graph_sites("z, resid", sites) == ["resid", "z"]
     with pytest.raises(ValueError, match=r"NNVLLM_GRAPH_SITES='resid,heads' names \['heads'\].*subset of"):
         graph_sites("resid,heads", sites)
+
+
+def test_the_ring_serves_each_step_its_slot_and_never_writes_a_held_one():
+    """The ring a graph engine's steps in pieces copy their seams into (worker/ring.py), driven here
+    eagerly on the CPU: the copies that a recording puts in its pieces, run by hand at each step."""
+    from nnvllm.engine.worker.ring import SLOTS, Ring
+
+    def step(ring, values, tokens):  # a step in pieces: its slot, then each seam's recorded copy
+        ring.start(tokens)
+        for seam, v in values.items():
+            assert ring.record(seam, v) is not None
+        return ring.slot
+
+    d = 8
+    ring = Ring(torch.device("cpu"), budget=1 << 20)
+    pair = (torch.zeros(16, d, dtype=torch.float16), torch.zeros(16, d, dtype=torch.float16))
+    ring.learn("model.layers.0.output", pair)
+    ring.learn("model.layers.1.output", torch.zeros(16, 2 * d))
+    ring.learn("model.layers.2.output", [torch.zeros(16, d)])  # not a tensor or a tuple of them: clones
+    ring.make(16)
+    assert ring.rows == 16 and "model.layers.2.output" not in ring.held
+    g = torch.Generator().manual_seed(0)
+    kept, slots = [], []
+    for _ in range(SLOTS + 2):
+        vals = {"model.layers.0.output": tuple(torch.randn(4, d, generator=g).half() for _ in range(2)),
+                "model.layers.1.output": torch.randn(4, 2 * d, generator=g)}
+        slot = step(ring, vals, 4)
+        slots.append(slot)
+        if slot is None:  # every slot held: the copies went to the slot nothing is served from
+            assert int(ring.index) == SLOTS
+            continue
+        h, r = ring.held["model.layers.0.output"].serve(slot, 3)
+        x = ring.held["model.layers.1.output"].serve(slot, 3)
+        assert h.shape == (3, d) and torch.equal(h, vals["model.layers.0.output"][0][:3])
+        assert torch.equal(r, vals["model.layers.0.output"][1][:3]) and torch.equal(x, vals["model.layers.1.output"][:3])
+        kept.append((x[1:], vals["model.layers.1.output"][1:3].clone()))  # a view of a served value, kept
+    # Each kept view held its slot: the next steps took the others, and once all were held, none.
+    assert slots == list(range(SLOTS)) + [None, None]
+    assert all(torch.equal(v, want) for v, want in kept)  # never written over
+    kept.pop(1)  # slot 1 let go: the next step takes it, and only it
+    assert step(ring, {"model.layers.1.output": torch.ones(4, 2 * d)}, 4) == 1
+    assert all(torch.equal(v, want) for v, want in kept)
+    x = ring.held["model.layers.1.output"].serve(1, 4)  # an in-place edit of a served value moves its
+    v = x._version  # version counter (the seam writes back only then)
+    x.add_(1)
+    assert not x.is_inference() and x._version != v
+    ring.start(17)  # more rows than a slot holds: clones
+    assert ring.slot is None
+    assert ring.record("model.layers.1.output", torch.zeros(4, d)) is None  # another layout: clones
+    small = Ring(torch.device("cpu"), budget=1 << 10)  # no row fits: no slots, every step clones
+    small.learn("model.layers.1.output", torch.zeros(16, 2 * d))
+    small.make(16)
+    small.start(1)
+    assert small.rows == 0 and small.slot is None

@@ -14,7 +14,8 @@ graph, and the seams are the blocks' outputs only. Each decode step then runs
   are recorded inside both recordings), and when every trace in it waits outside the model's
   forward (``model.logits``, ``model.samples``, the result): nothing inside the forward is served;
 - its **graph in pieces** when every trace in it waits only at block outputs (or outside the
-  forward): the trace is served at the seams, reads and edits alike;
+  forward): the trace is served at the seams, reads and edits alike, each seam's value from the
+  step's slot of a ring the pieces copy it into (:mod:`.ring`), or a clone;
 - **eagerly** when a trace waits anywhere else (a submodule, a block's input, an operation inside
   a forward, a ``tracer.cache()`` of such places), when ``model.edit`` is installed, or when an
   nnvllm capture needs it (non-additive edits, sites not recorded in the graphs).
@@ -44,6 +45,8 @@ import time
 from typing import Any
 
 import torch
+
+from .ring import Ring, ring_bytes
 
 GRAPHS, PIECES, EAGER = "graphs", "pieces", "eager"
 
@@ -107,27 +110,29 @@ def _interleaver_class():
     from nnsight.modeling.vllm.interleaver import VLLMInterleaver, _capture, _copy_into, _weak
 
     class PieceInterleaver(VLLMInterleaver):
-        def replay(self, location: str, live: Any) -> None:
+        def replay(self, location: str, live: Any, held: Any = None) -> None:
             # A replayed graph writes every step's seams into the same memory, so a trace that
             # keeps what it is served (``h.output.save()`` at every step, a cache) is served its own
-            # copy, as an eager step's output is a tensor of its own; what the trace leaves in the
-            # copy (an assignment, an in-place edit) lands back in the graph's memory.
+            # copy, as an eager step's output is a tensor of its own: the step's slot of the ring,
+            # which the graph wrote at this seam (``held``, .ring), or else a clone; what the trace
+            # leaves in the copy (an assignment, an in-place edit) lands back in the graph's memory.
             if not self.interleaving or (location not in self.parked and not self.observers.get(location)):
                 return super().replay(location, live)  # (nothing served: the visit is counted)
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0 = time.perf_counter()
             total = self.batcher.total
+            slot = None if held is None else self.ring.slot
             # The copy is a normal tensor, not an inference tensor like the step's: it keeps a version
             # counter, which an in-place edit moves, so a trace that only reads costs no write-back.
             # (The C++ guard, which torch.inference_mode(False) wraps: this runs at every seam.)
             with torch._C._InferenceMode(False):
                 tc = time.perf_counter()
-                served = _copy_rows(live, total)
+                served = _copy_rows(live, total) if slot is None else held.serve(slot, total)
                 tc = time.perf_counter() - tc
             kept = _tensors(served)
             versions = [t._version for t in kept]
-            t1, c1 = time.perf_counter(), time.thread_time()
+            t1 = time.perf_counter()
             out = self.handle(location, served)
-            t2, c2 = time.perf_counter(), time.thread_time()
+            t2 = time.perf_counter()
             if out is served:  # read, or edited in place
                 edited = any(t._version != v for t, v in zip(kept, versions))
             else:  # swapped, or a part of it
@@ -141,17 +146,19 @@ def _interleaver_class():
             clock[1] += t1 - t0 + time.perf_counter() - t2
             clock[2] += t2 - t1
             clock[3] += tc
-            clock[4] += c1 - c0
-            clock[5] += c2 - c1
+            clock[4] += slot is not None
 
         def handle(self, provider: str, value: Any) -> Any:
             if self.learning and torch.cuda.is_current_stream_capturing():
                 self.in_graph.add(provider)
-            if provider in self.graph_taps:
-                capture = _capture()
+                if provider in self.graph_taps and self.ring is not None:
+                    self.ring.learn(provider, value)
+            if provider in self.graph_taps and self.recording:
+                capture = _capture()  # (~2 µs: only while the pieces are recorded)
                 if capture is not None:  # recording the pieces: serve here on every replay
                     live = _weak(value)
-                    capture.add_eager(lambda: self.replay(provider, live))
+                    held = None if self.ring is None else self.ring.record(provider, value)
+                    capture.add_eager(lambda: self.replay(provider, live, held))
                     return value
             return Interleaver.handle(self, provider, value)
 
@@ -189,6 +196,8 @@ def _graphs_class(base: type) -> type:
                 return super().__call__(*args, **kwargs)
             plan = self.nnvllm_plan
             if plan.mode == PIECES:
+                if plan.ring is not None:
+                    plan.ring.start(ctx.batch_descriptor.num_tokens)
                 return self.nnvllm_pieces(*args, **kwargs)
             if plan.mode == EAGER:  # a trace, and no pieces of this size: the forward itself
                 return self.runnable(*args, **kwargs)
@@ -200,10 +209,15 @@ def _graphs_class(base: type) -> type:
                 # output is still held, so the pieces' memory does not overlap it. Under torch.compile
                 # the pieces are the plain forward, whose seams are nnsight's hooks.
                 skip, ctx.skip_compiled = ctx.skip_compiled, True
+                if plan.ring is not None:  # (the whole graph's recording has shown the seams' outputs)
+                    plan.ring.make(ctx.batch_descriptor.num_tokens)
+                il = plan.runner.nnsight_model.interleaver
+                il.recording = True
                 try:
                     self.nnvllm_pieces(*args, **kwargs)
                 finally:
                     ctx.skip_compiled = skip
+                    il.recording = False
             return out
 
         def nnvllm_has_pieces(self, descriptor: Any) -> bool:
@@ -223,11 +237,11 @@ class StepPlan:
         self.modes: collections.Counter = collections.Counter()  # steps run per mode (nnvllm_step_modes)
         self.seconds = 0.0  # the worker's host time in steps (nnvllm_step_modes's step_seconds)
         self.longest = 0.0  # the longest of those (step_longest)
-        # Seams served in steps in pieces; host seconds in nnvllm's copies at them; in nnsight's serving;
-        # in the copies' clones alone; the worker thread's CPU time in the copies and in the serving (below
-        # their host seconds where the thread waited, for the GIL or the device; nnsight's invokes are
-        # greenlets on this thread, so their code counts as this thread's CPU time).
-        self.seams: list = [0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        # Seams served in steps in pieces; host seconds in nnvllm's copies at them; in nnsight's serving
+        # (the traces' code included: nnsight's invokes are greenlets on this thread); in the copies'
+        # clones or the ring's views alone; seams served from the ring.
+        self.seams: list = [0, 0.0, 0.0, 0.0, 0]
+        self.ring: Ring | None = None  # where a step in pieces keeps what its seams serve (.ring)
         self.mode: str | None = None  # this step's
         # The step carries nnsight's work (a trace, model.edit): under torch.compile its forward runs
         # uncompiled, where nnsight's hooks are (see RecordingRunner._model_forward).
@@ -260,8 +274,10 @@ class StepPlan:
         il = runner.nnsight_model.interleaver
         il.__class__ = _interleaver_class()
         il.graph_taps = frozenset(f"model.{blocks}.{j}.output" for j in range(n_layers))
-        il.in_graph, il.learning = set(), False
+        il.in_graph, il.learning, il.recording = set(), False, False
         il.seam_clock = self.seams
+        budget = ring_bytes()
+        self.ring = il.ring = Ring(runner.device, budget) if budget else None
         self.pieces = True
 
     def timings(self) -> dict:
@@ -269,15 +285,15 @@ class StepPlan:
         (``CaptureWorker.nnvllm_step_modes``)."""
         out = {**self.modes, "step_seconds": self.seconds, "step_longest": self.longest}
         if self.pieces:
-            n, copy, serve, clones, copy_cpu, serve_cpu = self.seams
+            n, copy, serve, clones, ring = self.seams
             out.update(seams_served=n, seam_copy_seconds=copy, seam_serve_seconds=serve, seam_clone_seconds=clones,
-                       seam_copy_cpu_seconds=copy_cpu, seam_serve_cpu_seconds=serve_cpu)
+                       seams_from_ring=ring, ring_rows=self.ring.rows if self.ring is not None else 0)
         return out
 
     def reset(self) -> None:
         self.modes.clear()
         self.seconds = self.longest = 0.0
-        self.seams[:] = [0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        self.seams[:] = [0, 0.0, 0.0, 0.0, 0]
 
     # ---- recording
     def before_capture(self) -> None:

@@ -286,10 +286,10 @@ class CaptureWorker:
         time in its steps (``execute_model`` and ``sample_tokens``, traces' serving included), and
         ``step_longest``: the longest of those calls (one stall, or a slower step throughout);
         ``seams_served``: the blocks' outputs served to traces in steps in pieces, with the host seconds
-        they took in nnvllm's copies (``seam_copy_seconds``; ``seam_clone_seconds`` of it in the clones
-        themselves) and in nnsight's serving, the traces' own code included (``seam_serve_seconds``), and
-        this thread's CPU time in both (``seam_copy_cpu_seconds``, ``seam_serve_cpu_seconds``: less than
-        the host seconds where the thread waited);
+        they took in nnvllm's copies (``seam_copy_seconds``; ``seam_clone_seconds`` of it in the clones,
+        or the ring's views, themselves) and in nnsight's serving, the traces' own code included
+        (``seam_serve_seconds``); ``seams_from_ring``: those served from the ring's slots, no clone
+        (:mod:`.ring`; ``ring_rows``: the tokens a slot holds, 0 without a ring);
         ``worker_gc``, ``worker_gc_full`` and ``worker_gc_young``: this worker process's
         garbage-collection pauses; on a GPU, ``cuda_mallocs``, ``cuda_frees`` and ``cuda_malloc_retries``:
         torch's caching allocator's calls to the device (a retry frees every cached block first); all
