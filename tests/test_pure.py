@@ -1050,19 +1050,22 @@ def test_the_ring_serves_each_step_its_slot_and_never_writes_a_held_one():
     from nnvllm.engine.worker.ring import SLOTS, Ring
 
     def step(ring, values, tokens):  # a step in pieces: its slot, then each seam's recorded copy
+        ring.tokens = tokens  # (the batch its pieces were recorded for)
         ring.start(tokens)
         for seam, v in values.items():
             assert ring.record(seam, v) is not None
         return ring.slot
 
     d = 8
-    ring = Ring(torch.device("cpu"), budget=1 << 20)
+    ring = Ring(torch.device("cpu"), budget=1 << 20, largest=16)
+    ring.tokens = 16  # the whole graph of the largest batch, recorded first
     pair = (torch.zeros(16, d, dtype=torch.float16), torch.zeros(16, d, dtype=torch.float16))
     ring.learn("model.layers.0.output", pair)
     ring.learn("model.layers.1.output", torch.zeros(16, 2 * d))
     ring.learn("model.layers.2.output", [torch.zeros(16, d)])  # not a tensor or a tuple of them: clones
+    ring.learn("model.layers.3.output", torch.zeros(1, 16, d))  # tokens on dim 1 (Transformers backend): clones
     ring.make(16)
-    assert ring.rows == 16 and "model.layers.2.output" not in ring.held
+    assert ring.rows == 16 and set(ring.held) == {"model.layers.0.output", "model.layers.1.output"}
     g = torch.Generator().manual_seed(0)
     kept, slots = [], []
     for _ in range(SLOTS + 2):
@@ -1088,11 +1091,19 @@ def test_the_ring_serves_each_step_its_slot_and_never_writes_a_held_one():
     v = x._version  # version counter (the seam writes back only then)
     x.add_(1)
     assert not x.is_inference() and x._version != v
-    ring.start(17)  # more rows than a slot holds: clones
-    assert ring.slot is None
+    ring.start(17)  # more rows than a slot holds: clones, and the index names no served slot
+    assert ring.slot is None and int(ring.index) == SLOTS
+    ring.tokens = 4
     assert ring.record("model.layers.1.output", torch.zeros(4, d)) is None  # another layout: clones
+    assert ring.record("model.layers.1.output", torch.zeros(1, 4, 2 * d)) is None  # tokens not on dim 0
     small = Ring(torch.device("cpu"), budget=1 << 10)  # no row fits: no slots, every step clones
+    small.tokens = 16
     small.learn("model.layers.1.output", torch.zeros(16, 2 * d))
     small.make(16)
     small.start(1)
     assert small.rows == 0 and small.slot is None
+    later = Ring(torch.device("cpu"), budget=1 << 20, largest=16)  # made at a smaller batch than the largest
+    later.tokens = 4  # (under torch.compile: the first pieces recorded)
+    later.learn("model.layers.1.output", torch.zeros(4, 2 * d))
+    later.make(4)
+    assert later.rows == 16  # sized for the largest batch all the same

@@ -203,6 +203,8 @@ def _graphs_class(base: type) -> type:
                 return self.runnable(*args, **kwargs)
             entry = self.concrete_cudagraph_entries.get(ctx.batch_descriptor)
             recording = entry is None or entry.cudagraph is None
+            if recording and plan.ring is not None:
+                plan.ring.tokens = ctx.batch_descriptor.num_tokens
             out = super().__call__(*args, **kwargs)
             if recording:
                 # The same inputs (vLLM's static buffers), recorded again in pieces; the whole graph's
@@ -230,7 +232,7 @@ def _graphs_class(base: type) -> type:
 class StepPlan:
     """The runner's choice of how each step runs, and the bookkeeping a step in pieces needs."""
 
-    def __init__(self, runner: Any, blocks: str, n_layers: int) -> None:
+    def __init__(self, runner: Any, blocks: str, n_layers: int, largest: int = 0) -> None:
         self.runner = runner
         self.pieces = False  # decode graphs are recorded in pieces too
         self.graphs: Any = None  # vLLM's full-graph wrapper, once it records pieces too
@@ -277,7 +279,7 @@ class StepPlan:
         il.in_graph, il.learning, il.recording = set(), False, False
         il.seam_clock = self.seams
         budget = ring_bytes()
-        self.ring = il.ring = Ring(runner.device, budget) if budget else None
+        self.ring = il.ring = Ring(runner.device, budget, largest) if budget else None
         self.pieces = True
 
     def timings(self) -> dict:

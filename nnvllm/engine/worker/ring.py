@@ -13,10 +13,14 @@ Each slot has a storage of its own, so the slot's use count says whether anythin
 still holds it (a trace that keeps what it was served, a view of it, a later step's list). A held
 slot is never written. When every slot is held (a trace keeping every step's values), the step
 serves clones, as an engine without a ring does, and its graphs write into a slot that nothing is
-served from.
+served from. Only outputs whose first dimension is the step's tokens are kept there (a model on
+vLLM's Transformers backend, ``[1, tokens, width]``, is served clones).
 
 ``NNVLLM_TRACE_RING_BYTES`` (default 64 MiB of device memory; 0: no ring, every seam is served a
-clone) bounds the ring; read where the engine starts.
+clone) bounds the ring; read where the engine starts. The slots are made in vLLM's first recording
+of the graphs, the one that sizes their memory before the KV cache, so vLLM counts them. A served
+view's memory is the ring's, not an allocation of its own: ``record_stream`` and ``resize_`` on it
+do not apply.
 """
 
 from __future__ import annotations
@@ -42,16 +46,16 @@ def ring_bytes() -> int:
     return n
 
 
-def _layout(value: Any) -> tuple | None:
-    """A seam output's layout: ``(single, ((dtype, row shape), ...))`` for a tensor or a tuple of
-    tensors with the same first (token) dimension; None for anything else (served as clones)."""
+def _layout(value: Any, tokens: int) -> tuple | None:
+    """A seam output's layout: ``(single, ((dtype, row shape), ...))`` for a tensor, or a tuple of
+    tensors, whose first dimension is the step's ``tokens``; None for anything else (served clones)."""
     if isinstance(value, torch.Tensor):
         ts, single = (value,), True
     elif type(value) is tuple and value and all(isinstance(t, torch.Tensor) for t in value):
         ts, single = value, False
     else:
         return None
-    if any(t.dim() == 0 or t.shape[0] != ts[0].shape[0] for t in ts):
+    if any(t.dim() == 0 or t.shape[0] != tokens for t in ts):
         return None
     return single, tuple((t.dtype, tuple(t.shape[1:])) for t in ts)
 
@@ -80,15 +84,18 @@ class Held:
 class Ring:
     """The slots of one engine's steps in pieces (see the module's docstring)."""
 
-    def __init__(self, device: torch.device, budget: int) -> None:
+    def __init__(self, device: torch.device, budget: int, largest: int = 0) -> None:
         self.device = device
         self.budget = budget
+        self.largest = largest  # the largest batch vLLM records graphs for (0: the first one recorded)
+        self.tokens = 0  # the batch of the recording in progress (set before each)
         self.layouts: dict[str, tuple | None] = {}  # seam -> its layout, seen while vLLM records
         self.rows = 0  # tokens a slot holds (0: no slots yet, or none fit the budget)
         self.made = False
         self.flat: torch.Tensor | None = None  # the slots' memory, slot after slot
         self.dst: dict[str, tuple] = {}  # seam -> per tensor, [SLOTS + 1, rows, *row] over every slot
         self.held: dict[str, Held] = {}
+        self.made_layouts: dict[str, tuple] = {}  # seam -> the layout its slots were made for
         self.storages: list = []  # slot -> its own storage (over its part of flat)
         self.base: list[int] = []  # slot -> its storage's use count with nothing served from it
         self.index: torch.Tensor | None = None  # the step's slot, on the device, for the recorded copies
@@ -97,14 +104,18 @@ class Ring:
 
     def learn(self, seam: str, value: Any) -> None:
         """A seam's output while vLLM records (its whole graph comes before its pieces)."""
-        self.layouts[seam] = _layout(value)
+        self.layouts[seam] = _layout(value, self.tokens)
 
     def make(self, tokens: int) -> None:
-        """The slots, sized for ``tokens`` rows (the first recording in pieces: the largest batch) or
-        fewer, as the budget allows; once, outside any recording, from the layouts learned."""
-        if self.made or not self.budget or not self.layouts:
+        """The slots, each of as many rows as the largest batch recorded (or ``tokens``, the batch
+        about to be recorded in pieces) or fewer, as the budget allows; once, outside any recording,
+        from the layouts learned. (Under torch.compile the whole graph's forward runs no hooks: the
+        layouts are learned while the first batch's pieces are recorded, and that batch is served
+        clones.)"""
+        if self.made or not self.budget or not any(lay is not None for lay in self.layouts.values()):
             return
         self.made = True
+        tokens = max(tokens, self.largest)
         seams = [(s, lay) for s, lay in self.layouts.items() if lay is not None]
         row_bytes = sum(math.prod(r) * d.itemsize for _, (_, lay) in seams for d, r in lay)
         if not row_bytes:
@@ -141,6 +152,7 @@ class Ring:
                         self.storages[k], off // d.itemsize, (rows, *r), stride))
             self.dst[seam] = tuple(dst)
             self.held[seam] = Held([tuple(v) for v in views], single)
+            self.made_layouts[seam] = (single, lay)
         self.base = [_use_count(s) for s in self.storages]
         self.index = torch.zeros(1, dtype=torch.long, device=self.device)
         self.rows = rows
@@ -150,19 +162,19 @@ class Ring:
         slot, recorded into the piece that ends there; the seam's slots (None: this seam is served
         clones)."""
         held = self.held.get(seam)
-        if held is None or _layout(value) != self.layouts.get(seam):
+        if held is None or self.tokens > self.rows or _layout(value, self.tokens) != self.made_layouts[seam]:
             return None
-        ts = (value,) if held.single else value
-        if ts[0].shape[0] > self.rows:
-            return None
-        for dst, t in zip(self.dst[seam], ts):
-            dst[:, :t.shape[0]].index_copy_(0, self.index, t.unsqueeze(0))
+        for dst, t in zip(self.dst[seam], (value,) if held.single else value):
+            dst[:, :self.tokens].index_copy_(0, self.index, t.unsqueeze(0))
         return held
 
     def start(self, tokens: int) -> None:
         """Before a step in pieces of ``tokens`` rows: its slot, one no served value holds."""
         self.slot = None
-        if not self.rows or tokens > self.rows:
+        if not self.rows:
+            return
+        if tokens > self.rows:  # (its pieces copy nothing; the index still names no served slot)
+            self.index.fill_(SLOTS)
             return
         for i in range(SLOTS):
             k = (self.next + i) % SLOTS

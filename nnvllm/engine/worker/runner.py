@@ -65,17 +65,20 @@ class RecordingRunner:
             taps.allocate_static(taps.widths)
         self._nnvllm_taps = taps
         self._nnvllm_capture = None
-        self._nnvllm_plan = StepPlan(self, arch["blocks"], taps.n_layers)
+        self._nnvllm_plan = StepPlan(self, arch["blocks"], taps.n_layers, cap)
 
     def capture_model(self, *args, **kwargs):
-        plan = getattr(self, "_nnvllm_plan", None)
-        if plan is not None:
-            plan.before_capture()
-        try:
-            return super().capture_model(*args, **kwargs)
-        finally:
-            if plan is not None:
-                plan.after_capture()
+        return _recording(self, super().capture_model, *args, **kwargs)
+
+    def profile_cudagraph_memory(self, *args, **kwargs):
+        # vLLM records the graphs once before it sizes the KV cache, to size their memory: recorded as
+        # capture_model records them (nnsight's interleaver open, as nnsight's runner opens it there), so
+        # that the pieces' handoffs and the trace ring's slots (.ring: made in this first recording, and
+        # kept) are in what it counts.
+        interleaver = self.nnsight_model.interleaver
+        with interleaver:
+            interleaver.busy = True
+            return _recording(self, super().profile_cudagraph_memory, *args, **kwargs)
 
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
         plan = getattr(self, "_nnvllm_plan", None)
@@ -140,6 +143,19 @@ class RecordingRunner:
             return out
         finally:
             _host_seconds(self, t)
+
+
+def _recording(runner: Any, record: Any, *args, **kwargs) -> Any:
+    """vLLM's recording of its graphs (``record``), with the step plan learning what the recorded
+    forward visits and outputs (:meth:`.pieces.StepPlan.before_capture`)."""
+    plan = getattr(runner, "_nnvllm_plan", None)
+    if plan is not None:
+        plan.before_capture()
+    try:
+        return record(*args, **kwargs)
+    finally:
+        if plan is not None:
+            plan.after_capture()
 
 
 def _allocator_counts() -> dict[str, int]:
