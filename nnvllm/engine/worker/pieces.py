@@ -220,6 +220,8 @@ def _graphs_class(base: type) -> type:
                 finally:
                     ctx.skip_compiled = skip
                     il.recording = False
+                if plan.ring is not None:  # (under torch.compile the layouts are learned only now: made in
+                    plan.ring.make(ctx.batch_descriptor.num_tokens)  # this first size's window all the same)
             return out
 
         def nnvllm_has_pieces(self, descriptor: Any) -> bool:
