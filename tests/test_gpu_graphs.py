@@ -267,3 +267,47 @@ def test_a_trace_of_a_llama_blocks_hidden_states_and_residual_reads_and_edits_bo
     for what in ("swap", "inplace"):
         moved = max(float((a[-1][2:] - b[-1][2:]).abs().max()) for a, b in zip(g[what], g["read"]))
         assert moved > 0.1, (what, moved)
+
+
+def _backend_reads(path, graphs: bool) -> tuple[list, dict]:
+    """Every block's output at every step of a trace, per prompt ``[step][layer, token, width]``, on a
+    model that vLLM runs through its Transformers backend, whose blocks return ``[1, tokens, width]``."""
+    model = nv.load(path, isolate=False, dtype="float32", gpu_memory_utilization=0.3,
+                    kv_cache_memory_bytes=1 << 30, cuda_graphs=graphs)
+    try:
+        blocks = model
+        for part in model.arch.blocks.split("."):
+            blocks = getattr(blocks, part)
+        _modes(model)
+        with model.trace(temperature=0.0, max_tokens=T, ignore_eos=True) as tracer:
+            for p in PROMPTS:
+                with tracer.invoke(p):
+                    got = list().save()
+                    for _ in tracer.iter[:T]:
+                        vals = []
+                        for i in range(len(blocks)):
+                            out = blocks[i].output
+                            x = out[0] if isinstance(out, tuple) else out
+                            vals.append(x.reshape(-1, x.shape[-1]).cpu())
+                        got.append(torch.stack(vals))
+        return (got if isinstance(got[0], list) else [got]), _modes(model)  # (one invoke: its list itself)
+    finally:
+        model.close()
+
+
+def test_a_trace_of_a_transformers_backend_model_reads_each_prompts_own_token_in_pieces(tmp_path):
+    """Three prompts decode in a graph recorded for four tokens: the padding token is no prompt's,
+    and each invoke reads its own token at every block, as on the eager engine (pieces._cut)."""
+    from nnvllm.testing import tiny_checkpoint
+
+    path = tiny_checkpoint("gpt_neox", tmp_path / "gpt_neox")
+    g, gm = _backend_reads(path, graphs=True)
+    e, em = _backend_reads(path, graphs=False)
+    print("step modes:", gm, em)
+    assert gm.get("pieces", 0) >= T - 1 and not gm.get("graphs"), gm
+    assert len(g) == len(e) == len(PROMPTS)
+    for a, b in zip(g, e):
+        assert len(a) == len(b) == T
+        for step, (x, y) in enumerate(zip(a, b)):
+            assert x.shape == y.shape, (step, x.shape, y.shape)
+            assert _gap(x, y) < REL, (step, _gap(x, y))

@@ -90,9 +90,15 @@ def _each(x: Any, fn: Any) -> Any:
 
 
 def _cut(t: torch.Tensor, total: int) -> torch.Tensor:
-    """``t`` cut to the step's first ``total`` rows: a graph recorded for a batch size fills only those
-    with this step's tokens; the rest is padding no request owns."""
-    return t[:total] if t.dim() and t.shape[0] > total else t
+    """``t`` cut to the step's first ``total`` tokens: a graph recorded for a batch size fills only
+    those with this step's tokens; the rest is padding no request owns. The tokens are the first
+    dimension, or the second under a batch of one (vLLM's Transformers backend: ``[1, tokens,
+    width]``, which nnsight's batcher splits among the invokes only when it holds the step's tokens)."""
+    if t.dim() and t.shape[0] > total:
+        return t[:total]
+    if t.dim() >= 3 and t.shape[0] == 1 and t.shape[1] > total:
+        return t[:, :total]
+    return t
 
 
 def _copy_rows(x: Any, total: int) -> Any:
