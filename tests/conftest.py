@@ -454,6 +454,18 @@ def pytest_runtest_logreport(report):
         sys.stderr.flush()
 
 
+def pytest_unconfigure(config):
+    """With ``NNVLLM_FAILURES_NOW=1``, a pytest process (an xdist worker too) still alive
+    ``faulthandler_timeout`` seconds after its session ended writes every thread's stack: a stage that
+    waits at exit, after every test has reported, then says what it waits on."""
+    timeout = config.getini("faulthandler_timeout")
+    if os.environ.get("NNVLLM_FAILURES_NOW") == "1" and timeout:
+        import faulthandler
+        import sys
+
+        faulthandler.dump_traceback_later(float(timeout), file=sys.__stderr__)
+
+
 def pytest_terminal_summary(terminalreporter):
     """On a GPU, list each fidelity check's distance and calibrated bound (NNVLLM_FIDELITY_JSON: also as JSON)."""
     rows = [r for r in _FIDELITY_LOG if r["device"] != "cpu"]
