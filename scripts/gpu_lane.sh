@@ -186,7 +186,8 @@ run_logged() {  # name, then the command; its log is LOGS/<name>.txt
 # Test engines hold a fixed 1 GiB KV cache each, so that the workers' engines share one GPU, and
 # vLLM's start check then needs only a tenth of it free.
 # NNVLLM_FAILURES_NOW: each failure's traceback is logged when it happens (tests/conftest.py), and
-# faulthandler writes every thread's stack of a test still running after FAULT_TIMEOUT seconds, so a
+# faulthandler writes every thread's stack of a test still running after FAULT_TIMEOUT seconds, and of
+# a pytest process (an xdist worker too) still alive FAULT_TIMEOUT seconds after its session ended, so a
 # stage cut at STAGE_TIMEOUT still says why its tests failed or where one hung.
 TEST_ENV=(env "NNVLLM_GPU_MEMORY_UTILIZATION=${NNVLLM_GPU_MEMORY_UTILIZATION:-0.1}"
           "NNVLLM_KV_CACHE_MEMORY_BYTES=${NNVLLM_KV_CACHE_MEMORY_BYTES:-1073741824}" NNVLLM_FAILURES_NOW=1)
