@@ -556,20 +556,24 @@ def test_ctrl_c_on_an_isolated_engine_is_one_line_and_the_engine_stays_ready(iso
     assert time.perf_counter() - t1 < 10, "the next call waited for the interrupted one's requests"
     assert again.tokens == expected.tokens and _same_run(again, expected)
 
-    # 512 invokes: building them takes ~0.5 s on a 2-core box, running them ~4 s, so the signal at
-    # 1.5 s lands while the engine runs the trace on a slow machine and on a fast one. (Not scaled
-    # as the call above is: more invokes take longer to build, and a signal that lands while they
-    # are built never reaches the engine.)
-    prompts = batch * 8
+    # The trace too, as many invokes as ~10 s of this engine's own trace of them: the client sends the
+    # trace at once and the engine builds and runs its invokes (64 invokes x 50 tokens: 0.4 s on a
+    # 2-core box; 512 ended within 1.5 s on an H100).
+    def trace_of(prompts):
+        with iso.trace(temperature=0.0, max_tokens=50, ignore_eos=True) as tracer:
+            for p in prompts:
+                with tracer.invoke(p):
+                    pass
+
+    t0 = time.perf_counter()
+    trace_of(batch)
+    prompts = batch * max(8, math.ceil(10 / (time.perf_counter() - t0)))
     traced = False
     timer = _ctrl_c_in(1.5)
     # KeyboardInterrupt, not Interrupted, in raises(): a signal that landed anywhere else fails this
     # test below instead of escaping it (pytest takes a stray KeyboardInterrupt for the whole run's).
     with pytest.raises(KeyboardInterrupt) as stopped:
-        with iso.trace(temperature=0.0, max_tokens=50, ignore_eos=True) as tracer:
-            for p in prompts:
-                with tracer.invoke(p):
-                    pass
+        trace_of(prompts)
         traced = True
         time.sleep(30)
     timer.cancel()
