@@ -94,17 +94,19 @@ def test_the_gpu_cost_tables_in_docs_capture_are_their_recorded_runs():
         med = statistics.median(every[case])
         assert (round(min(every[case]) / med, 2), round(max(every[case]) / med, 2)) == (lo, hi), case
         assert f"{lo:.2f}x to {hi:.2f}x" in " ".join(doc.split()), case
-    # The trace table (an H100 run): each cell is its case's seconds (and its ratio to nv.generate).
+    # The trace table (H100 runs, with the ring and without): each cell is its case's seconds (and its
+    # ratio to nv.generate in the same run).
     h100 = json.loads((root / "benchmarks" / "results" / "capture_gpu_h100_80gb_hbm3.json").read_text())["runs"]
-    s = h100["llama1b_trace_seams"]["seconds"]
+    ring, before = h100["llama1b_trace_ring"]["seconds"], h100["llama1b_trace_seams"]["seconds"]
     rows = _md_rows(doc, "--cases nv_trace`")
     assert [r[0] for r in rows] == ["1", "8", "64"], rows
     for row in rows:
         k = row[0]
-        gen = s[f"nv_trace_{k}_generate"]
-        assert row[1] == f"{gen:.3f} s", row
-        for cell, case in ((row[2], f"nv_trace_{k}"), (row[3], f"nv_trace_{k}_logits_only")):
-            assert cell == (f"{s[case]:.3f} s ({s[case] / gen:.1f}x)" if case in s else ""), (row, case)
+        for s, cells in ((ring, row[1:4]), (before, row[4:6])):
+            gen = s[f"nv_trace_{k}_generate"]
+            assert cells[0] == f"{gen:.3f} s", row
+            for cell, case in zip(cells[1:], (f"nv_trace_{k}", f"nv_trace_{k}_logits_only")):
+                assert cell == (f"{s[case]:.3f} s ({s[case] / gen:.1f}x)" if case in s else ""), (row, case)
     iso = h100["llama1b_trace_isolated"]["seconds"]
     stated = [" / ".join(f"{iso[f'nv_trace_isolated_{k}{suffix}']:.3f}" for k in (1, 8, 64)) for suffix in ("", "_generate")]
     assert (f"took {stated[0]} s for 1 / 8 / 64 prompts, against `nv.generate`'s {stated[1]} s"
