@@ -107,6 +107,23 @@ def test_the_gpu_cost_tables_in_docs_capture_are_their_recorded_runs():
             assert cells[0] == f"{gen:.3f} s", row
             for cell, case in zip(cells[1:], (f"nv_trace_{k}", f"nv_trace_{k}_logits_only")):
                 assert cell == (f"{s[case]:.3f} s ({s[case] / gen:.1f}x)" if case in s else ""), (row, case)
+    # The second run of the same code, in the text: its seconds, ratios and the steps' host time.
+    flat = " ".join(doc.split())
+    again, first = h100["llama1b_trace_ring_2"], h100["llama1b_trace_ring"]
+    s = again["seconds"]
+    assert again["code"] == first["code"], (again["code"], first["code"])
+    fastest = min(again["all"]["nv_trace_1"]) / min(again["all"]["nv_trace_1_generate"])
+    assert (f"took {s['nv_trace_1_generate']:.3f} / {s['nv_trace_1']:.3f} s for `nv.generate` / the trace of every "
+            f"block with 1 prompt ({s['nv_trace_1'] / s['nv_trace_1_generate']:.2f}x; fastest calls {fastest:.2f}x), "
+            f"{s['nv_trace_8_generate']:.3f} / {s['nv_trace_8']:.3f} s with 8 "
+            f"({s['nv_trace_8'] / s['nv_trace_8_generate']:.1f}x) and {s['nv_trace_64_generate']:.3f} / "
+            f"{s['nv_trace_64']:.3f} s with 64 ({s['nv_trace_64'] / s['nv_trace_64_generate']:.1f}x)") in flat
+
+    def steps(run: dict, case: str) -> str:
+        return f"{statistics.median(c['step_seconds'] for c in run['per_call'][case]):.3f}"
+    assert (f"was {steps(again, 'nv_trace_1_logits_only')} s there against {steps(first, 'nv_trace_1_logits_only')} s "
+            f"in run `llama1b_trace_ring`, and in the trace of every block {steps(again, 'nv_trace_1')} s against "
+            f"{steps(first, 'nv_trace_1')} s") in flat
     iso = h100["llama1b_trace_isolated"]["seconds"]
     stated = [" / ".join(f"{iso[f'nv_trace_isolated_{k}{suffix}']:.3f}" for k in (1, 8, 64)) for suffix in ("", "_generate")]
     assert (f"took {stated[0]} s for 1 / 8 / 64 prompts, against `nv.generate`'s {stated[1]} s"
