@@ -90,10 +90,12 @@
 #                  in its own process and recorded as it ends: the cases first listed come back first
 #                  from a command cut at its limit
 #
-# On the lent H200, after setup, the suite takes two commands of its 10 minutes, and the notebooks can
-# run beside one half (two lanes side by side, each with its own OUT):
-#   SPLIT=1/2 OUT=$OUT/a bash scripts/gpu_lane.sh suite & OUT=$OUT/b bash scripts/gpu_lane.sh notebooks & wait
-#   SPLIT=2/2 bash scripts/gpu_lane.sh suite
+# On a lent GPU machine, after setup, the suite on the defaults takes more than three commands of its 10
+# minutes (an H100, 8 workers: shares of 3 took more than 480 s beside the notebooks, 416 s, and more than
+# 555 s), and the notebooks can run beside one share (two lanes side by side, each with its own OUT; the
+# machine returns at most 8 files of $OUT in all):
+#   SPLIT=1/4 OUT=$OUT/a bash scripts/gpu_lane.sh suite & OUT=$OUT/b bash scripts/gpu_lane.sh notebooks & wait
+#   SPLIT=2/4 bash scripts/gpu_lane.sh suite   (and 3/4, 4/4)
 #   bash scripts/gpu_lane.sh bench
 # Each stage writes OUT/logs/<stage>.txt (its log, headed by the date, commit, GPUs and versions),
 # OUT/summary.txt and OUT/gpu_tests_<machine>.json (each test stage's counts, as a run of that name).
@@ -320,8 +322,11 @@ summary() {
       printf '%-24s %s  %5ss\n' "${names[$i]}" "$([ "${rcs[$i]}" -eq 0 ] && echo pass || echo "FAIL(exit ${rcs[$i]})")" "${secs[$i]}"
     done
   } | tee "$OUT_DIR/summary.txt"
-  # Each test stage's counts, from pytest's last line, as a run of gpu_tests_<machine>.json.
-  "$PY" - "$LOGS" "${tested[@]}" <<'EOF' || true
+}
+
+record_counts() {  # a test stage's name: its counts, from pytest's last line, as a run of gpu_tests_<machine>.json,
+  # written as soon as the stage ends, so that a command cut at its limit during a later stage keeps them
+  "$PY" - "$LOGS" "$1" <<'EOF' || true
 import re, sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
@@ -338,7 +343,9 @@ for stage in sys.argv[2:]:
     run = {"exit": int(end[-1][0]) if end else None, "seconds": int(end[-1][1]) if end else None}
     run.update({w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)",
                                                     counts[-1] if counts else "")})
-    run["failures"] = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)
+    # -vv's per-test lines ("[gw1] [ 91%] FAILED tests/...") too: a stage cut at its limit prints no -ra list
+    found = re.findall(r"^(?:\[gw\d+\] \[ *\d+%\] )?(?:FAILED|ERROR) (\S+)", text, re.M)
+    run["failures"] = list(dict.fromkeys(found))
     date = re.search(r"^# date (\S+)", text, re.M)
     prov = {**provenance(), "command": command.group(1) if command else f"bash scripts/gpu_lane.sh {stage}"}
     if date:
@@ -356,13 +363,12 @@ pack() {  # $OUT returns at most 8 files from the lent machine
   fi
 }
 
-tested=()  # the test stages this run ran: their counts go into gpu_tests_<machine>.json
 for s in "${STAGES[@]}"; do
   echo "== $s"
   case "$s" in
     setup) t0=$(date +%s); setup; note setup $? $(( $(date +%s) - t0 )) ;;
     *) if ready; then "$s"; else note "$s" 2 0; fi
-       case "$s" in suite|notebooks|tp) tested+=("$s") ;; esac ;;
+       case "$s" in suite|notebooks|tp) record_counts "$s" ;; esac ;;
   esac
 done
 summary
