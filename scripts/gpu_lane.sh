@@ -11,8 +11,9 @@
 #              command, carry [".gpu/K", ".gpu/setup.sh", ".gpu/sha256"]); the last part writes
 #              /root/nnvllm-gpu.env, which every stage sources. The suite and notebooks need what
 #              the image lacks beside vLLM: `bash ../shared/gpu/bundle.sh .gpu ipywidgets nbmake
-#              ipykernel ruff` (ruff: tests/test_lint.py). Elsewhere: `make setup` where python3
-#              cannot import vllm and nnsight.
+#              ipykernel ruff` (ruff: tests/test_lint.py); sae-lens, datasets and Ray (the SAE and Ray tests
+#              skip without them) come as parts of their own: scripts/gpu_extras.sh. Elsewhere: `make
+#              setup` where python3 cannot import vllm and nnsight.
 #   suite      the test suite at TP=1: pytest with WORKERS xdist workers (default 8) on one GPU, each
 #              test engine with a fixed 1 GiB KV cache, so that many share the GPU
 #   notebooks  the notebooks under nbmake (NB_WORKERS, default 3; needs nbmake, ipykernel, ipywidgets)
