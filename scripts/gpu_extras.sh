@@ -41,7 +41,7 @@ while read -r r; do
          && echo "gpu_extras: $r has no wheel; building one from its source"; } \
     || { echo "gpu_extras: could not download $r" >&2; exit 1; }
 done < extra.txt
-for s in src/*; do [ -e "$s" ] && "$py" -m pip wheel -q --no-deps -w whl "$s" >/dev/null; done
+for s in src/*; do if [ -e "$s" ]; then "$py" -m pip wheel -q --no-deps -w whl "$s" >/dev/null; fi; done
 [ "$(ls whl | wc -l)" -eq "$(wc -l < extra.txt)" ] || { echo "gpu_extras: $(ls whl | wc -l) wheels for $(wc -l < extra.txt) packages" >&2; exit 1; }
 tar -C whl -cf extra.tar . && split -b 40M -d extra.tar part-
 cd - >/dev/null
