@@ -496,7 +496,6 @@ def test_steering_by_a_feature_is_the_same_addition_in_transformers(toy, toy_pat
         nv.Edit.feature(sae, 256)
 
 
-@pytest.mark.slow
 def _streamed_features_are_the_runs(stream, steps) -> None:
     """Each step's features are the run's at the position that produced each prompt's newest token."""
     run = stream.run
@@ -510,6 +509,7 @@ def _streamed_features_are_the_runs(stream, steps) -> None:
                     continue
                 pos = len(run.prompt_ids[i]) + seen[i] - 2
                 want = run.features[j][i]
+                assert per[i] is not None, (step.index, i, j)
                 if isinstance(want, tuple):
                     assert torch.equal(per[i][0], want[0][pos]) and torch.equal(per[i][1], want[1][pos])
                 else:
@@ -528,7 +528,10 @@ def test_features_in_a_stream(toy, saes):
         want = nv.generate(toy, PROMPTS, **kw, **form)
         s = nv.stream(toy, PROMPTS, **kw, **form)
         steps = list(s)
-        assert s.run.tokens == want.tokens and len(steps) >= STEPS
+        # A step brings one token per prompt on an in-process engine; an isolated one (every engine on
+        # a GPU) generates ahead of the frames its client reads and can bring two in one step, so the
+        # steps are checked to cover every token (_streamed_features_are_the_runs), not counted.
+        assert s.run.tokens == want.tokens and len(steps) >= 2
         for j in range(len(picked)):
             for i in range(len(PROMPTS)):
                 got, exp = s.run.features[j][i], want.features[j][i]
@@ -537,7 +540,6 @@ def test_features_in_a_stream(toy, saes):
                     got, exp = got[1], exp[1]
                 torch.testing.assert_close(got, exp, atol=1e-5, rtol=1e-5)
         _streamed_features_are_the_runs(s, steps)
-        assert steps[0].features[0][0] is not None
 
 
 def test_features_from_an_isolated_engine(toy, toy_path, saes, tp, monkeypatch):
