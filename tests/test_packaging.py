@@ -85,3 +85,51 @@ def test_python_m_nnvllm_toy_prints_no_runpy_warning():
     assert "toy model ok:" in out.stdout and "RuntimeWarning" not in out.stderr, out.stderr
     code = "import sys, nnvllm as nv; assert 'nnvllm.toy' not in sys.modules; assert nv.toy.path(); print('ok')"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "ok\n"
+
+
+_PORT_TAKEN = '''
+import socket
+from jupyter_client.provisioning import local_provisioner
+
+taken = socket.socket()
+taken.bind(("127.0.0.1", 0))
+taken.listen(1)
+first = [True]
+pick = local_provisioner.LocalPortCache.find_available_port
+
+
+def find_available_port(self, ip):  # the first kernel's first port is one another process holds
+    if first[0]:
+        first[0] = False
+        return taken.getsockname()[1]
+    return pick(self, ip)
+
+
+local_provisioner.LocalPortCache.find_available_port = find_available_port
+'''
+
+
+def test_a_notebook_whose_kernel_loses_a_port_runs_in_a_new_kernel(tmp_path):
+    """notebooks/conftest.py: when another process takes a port jupyter_client picked for the kernel
+    before the kernel binds it (the kernel dies before it answers), nbmake's run gets a new kernel and
+    the notebook passes; without the conftest the same run fails."""
+    import os
+    import subprocess
+    import sys
+
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("assert 6 * 7 == 42")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "probe.ipynb")
+    (tmp_path / "port_taken.py").write_text(_PORT_TAKEN)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "port_taken", "-p", "no:cacheprovider", "-n", "0",
+           "--nbmake", "probe.ipynb"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    bare = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert bare.returncode == 1 and "1 failed" in bare.stdout, bare.stdout[-2000:]
+    (tmp_path / "conftest.py").write_text((ROOT / "notebooks" / "conftest.py").read_text())
+    kept = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert kept.returncode == 0 and "1 passed" in kept.stdout, kept.stdout[-2000:]
+    assert "running the notebook in a new kernel" in kept.stdout
