@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+from notebook_kernels import a_second_kernel_if_the_first_dies
+
 from nnvllm.testing import TF32
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -32,6 +34,7 @@ def pytest_collection_modifyitems(config, items):
     elif getattr(config.option, "dist", "no") == "no":  # one process (the TP=2 stage): engines in turn
         _one_engine_start_each(items)
     _notebooks_run_in_the_browser(config, items)
+    a_second_kernel_if_the_first_dies(items)
     tp = config.getoption("--tp")
     try:
         import torch

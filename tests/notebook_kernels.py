@@ -1,7 +1,5 @@
-"""pytest's set-up for the notebooks under nbmake (``pytest --nbmake notebooks/``; ``make test`` runs them
-beside ``tests/``).
-
-A notebook whose kernel dies before it answers gets one more kernel. jupyter_client picks a kernel's
+"""A notebook under nbmake whose kernel dies before it answers gets one more kernel (tests/conftest.py
+applies it to the notebooks that ``make test`` runs beside ``tests/``). jupyter_client picks a kernel's
 five TCP ports by binding port 0 and closing the socket, and the kernel binds them a moment later; in
 a busy run another process (a test worker's vLLM engine, any outgoing connection) can take one of them
 in between, and the kernel exits with ZMQ's "Address already in use" before any cell has run. A new
@@ -17,13 +15,14 @@ import warnings
 KERNEL_DIED = "Kernel died before replying to kernel_info"  # jupyter_client's words
 
 
-def pytest_collection_modifyitems(items):
+def a_second_kernel_if_the_first_dies(items) -> None:
+    """Wrap each nbmake item's run among ``items`` (pytest's collected items)."""
     for item in items:
         if getattr(item, "nbmake", False):  # nbmake's NotebookItem
-            item.runtest = _a_second_kernel_if_the_first_dies(item.runtest, item.name)
+            item.runtest = _second_kernel(item.runtest, item.name)
 
 
-def _a_second_kernel_if_the_first_dies(runtest, name: str):
+def _second_kernel(runtest, name: str):
     @functools.wraps(runtest)
     def run():
         try:
