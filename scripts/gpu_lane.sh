@@ -214,9 +214,9 @@ suite() {
     ${PYTEST_ARGS:-} $tests --tp 1
 }
 
-notebooks() {
-  run_logged notebooks "${TEST_ENV[@]}" "$PY" -m pytest -q -ra $(xdist NB_WORKERS 3) ${PYTEST_ARGS:-} \
-    --nbmake ${NOTEBOOKS:-notebooks/}
+notebooks() {  # -p notebook_kernels: a new kernel for a notebook whose kernel dies at start (tests/notebook_kernels.py)
+  run_logged notebooks "${TEST_ENV[@]}" PYTHONPATH="$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" -m pytest -q -ra $(xdist NB_WORKERS 3) -p notebook_kernels ${PYTEST_ARGS:-} --nbmake ${NOTEBOOKS:-notebooks/}
 }
 
 tp() {
