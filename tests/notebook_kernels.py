@@ -1,11 +1,14 @@
-"""A notebook under nbmake whose kernel dies before it answers gets one more kernel: tests/conftest.py
-applies it to the notebooks that ``make test`` runs beside ``tests/``, and ``-p notebook_kernels``
-(with ``tests/`` on the path) to a run of the notebooks alone (scripts/gpu_lane.sh's notebooks stage). jupyter_client picks a kernel's
-five TCP ports by binding port 0 and closing the socket, and the kernel binds them a moment later; in
-a busy run another process (a test worker's vLLM engine, any outgoing connection) can take one of them
-in between, and the kernel exits with ZMQ's "Address already in use" before any cell has run. A new
-kernel gets new ports. A kernel that dies at start for another reason dies again, and the notebook
-fails as it would have.
+"""A notebook under nbmake whose kernel dies before it answers gets one more kernel.
+
+tests/conftest.py applies it to the notebooks that ``make test`` runs beside ``tests/``, and
+``-p notebook_kernels`` (with ``tests/`` on the path) to a run of the notebooks alone
+(scripts/gpu_lane.sh's notebooks stage).
+
+jupyter_client picks a kernel's five TCP ports by binding port 0 and closing the socket, and the
+kernel binds them a moment later; in a busy run another process (a test worker's vLLM engine, any
+outgoing connection) can take one of them in between, and the kernel exits with ZMQ's "Address
+already in use" before any cell has run. A new kernel gets new ports. A kernel that dies at start for
+another reason dies again, and the notebook fails as it would have.
 """
 
 from __future__ import annotations
