@@ -126,10 +126,13 @@ def test_a_notebook_whose_kernel_loses_a_port_runs_in_a_new_kernel(tmp_path):
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "port_taken", "-p", "no:cacheprovider", "-n", "0",
            "--nbmake", "probe.ipynb"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT / "tests")])}
+    # The interpreter's own PYTHONPATH stays behind these two: where the packages live there (the GPU
+    # bundle's site folder), the run needs it to import pytest's plugins.
+    path = [str(tmp_path), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     bare = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert bare.returncode == 1 and "1 failed" in bare.stdout, bare.stdout[-2000:]
+    assert bare.returncode == 1 and "1 failed" in bare.stdout, (bare.stdout + bare.stderr)[-2000:]
     kept = subprocess.run([*cmd, "-p", "notebook_kernels"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=240)
-    assert kept.returncode == 0 and "1 passed" in kept.stdout, kept.stdout[-2000:]
+    assert kept.returncode == 0 and "1 passed" in kept.stdout, (kept.stdout + kept.stderr)[-2000:]
     assert "running the notebook in a new kernel" in kept.stdout
