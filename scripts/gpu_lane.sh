@@ -102,6 +102,8 @@
 # machine goes back, and the next commands wait for it and pack its OUT (the whole suite in one run, 12
 # workers beside the notebooks on an H100, reported 758 of its 799 tests in 1,000 s):
 #   setsid bash -c 'WORKERS=12 STAGE_TIMEOUT=1000 OUT=/root/whole bash scripts/gpu_lane.sh suite' </dev/null &>/dev/null &
+#   (next command)  until [ -f /root/whole/summary.txt ] || [ $SECONDS -gt 560 ]; do sleep 10; done
+#                   tar -C /root/whole -czf $OUT/whole.tar.gz .
 # Each stage writes OUT/logs/<stage>.txt (its log, headed by the date, commit, GPUs and versions),
 # OUT/summary.txt and OUT/gpu_tests_<machine>.json (each test stage's counts, as a run of that name).
 set -u
