@@ -100,8 +100,9 @@
 #   bash scripts/gpu_lane.sh bench
 # A stage can also outlive its command: started in a process session of its own, it runs on until the
 # machine goes back, and the next commands wait for it and pack its OUT (the whole suite in one run, 12
-# workers beside the notebooks on an H100, reported 758 of its 799 tests in 1,000 s):
-#   setsid bash -c 'WORKERS=12 STAGE_TIMEOUT=1000 OUT=/root/whole bash scripts/gpu_lane.sh suite' </dev/null &>/dev/null &
+# workers beside the notebooks, reported 758 of its 799 tests in 1,000 s on an H100 and 792 in 1,300 s on
+# an H200; give it about 1,400 s):
+#   setsid bash -c 'WORKERS=12 STAGE_TIMEOUT=1400 OUT=/root/whole bash scripts/gpu_lane.sh suite' </dev/null &>/dev/null &
 #   (next command)  until [ -f /root/whole/summary.txt ] || [ $SECONDS -gt 560 ]; do sleep 10; done
 #                   tar -C /root/whole -czf $OUT/whole.tar.gz .
 # Each stage writes OUT/logs/<stage>.txt (its log, headed by the date, commit, GPUs and versions),
